@@ -1,0 +1,1 @@
+"""Dense GEMM custom ops and backends."""

@@ -1,0 +1,182 @@
+"""Dense GEMM custom ops ``primus_turbo::gemm`` / ``primus_turbo::gemm_accum`` and their backends.
+
+Inputs reach the backends row-major: a column-major operand is passed as its transpose with the
+``trans`` flag flipped, so no backend copies a transposed view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    precision_of,
+)
+from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
+from primus_turbo.triton.utils.device_info import interpreter_active
+
+__all__ = ["GemmDispatcher", "gemm_accum_impl", "gemm_impl", "last_selected_backend"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _op(t: torch.Tensor, trans: bool) -> torch.Tensor:
+    return t.t() if trans else t
+
+
+def _row_major(t: torch.Tensor, trans: bool) -> tuple[torch.Tensor, bool]:
+    if t.is_contiguous():
+        return t, trans
+    if t.t().is_contiguous():
+        return t.t(), not trans
+    return t.contiguous(), trans
+
+
+def _common_unsupported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str | None:
+    if a.dtype not in _FLOAT_DTYPES or b.dtype != a.dtype:
+        return f"needs a and b of one dtype among fp16/bf16/fp32, got {a.dtype} and {b.dtype}"
+    if out_dtype not in _FLOAT_DTYPES:
+        return f"out_dtype {out_dtype} is not fp16/bf16/fp32"
+    return None
+
+
+class TorchGemmBackend(KernelBackend):
+    """Plain PyTorch: runs on any device and is the reference path."""
+
+    autotune = False
+
+    @staticmethod
+    def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
+        compute = a.dtype if out_dtype == a.dtype else torch.float32
+        result = torch.mm(_op(a, trans_a).to(compute), _op(b, trans_b).to(compute))
+        if out is None:
+            return result.to(out_dtype)
+        if accumulate:
+            return out.add_(result)
+        return out.copy_(result)
+
+
+class HipblasltGemmBackend(KernelBackend):
+    """The vendor BLASLt (hipBLASLt on ROCm, cuBLASLt on CUDA) reached through torch."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not torch.cuda.is_available():
+            return "needs a CUDA or ROCm GPU (torch.cuda.is_available() is False)"
+        return None
+
+    @classmethod
+    def unsupported_reason(cls, a, b, out_dtype, **_: Any) -> str | None:
+        if a.device.type != "cuda":
+            return f"needs GPU tensors, got {a.device}"
+        reason = _common_unsupported(a, b, out_dtype)
+        if reason is None and out_dtype not in (a.dtype, torch.float32):
+            reason = f"output {out_dtype} must equal the input dtype {a.dtype} or be fp32"
+        return reason
+
+    @staticmethod
+    def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
+        lhs, rhs = _op(a, trans_a), _op(b, trans_b)
+        widen = out_dtype != a.dtype
+        if out is None:
+            return torch.mm(lhs, rhs, out_dtype=out_dtype) if widen else torch.mm(lhs, rhs)
+        beta = 1 if accumulate else 0
+        if widen:
+            return torch.addmm(out, lhs, rhs, out_dtype=out_dtype, beta=beta, out=out)
+        return torch.addmm(out, lhs, rhs, beta=beta, out=out)
+
+
+class TritonGemmBackend(KernelBackend):
+    """This library's Triton kernels (persistent TMA kernel on Hopper, masked pointer kernel elsewhere)."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if torch.cuda.is_available() or interpreter_active():
+            return None
+        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 to run on the CPU"
+
+    @classmethod
+    def unsupported_reason(cls, a, b, out_dtype, **_: Any) -> str | None:
+        if a.device.type == "cpu" and not interpreter_active():
+            return "CPU tensors need TRITON_INTERPRET=1"
+        return _common_unsupported(a, b, out_dtype)
+
+    @staticmethod
+    def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
+        if out is None:
+            m = a.shape[1] if trans_a else a.shape[0]
+            n = b.shape[0] if trans_b else b.shape[1]
+            out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        return gemm_triton(a, b, trans_a, trans_b, out, accumulate=accumulate)
+
+
+class GemmDispatcher(AutoKernelDispatcher):
+    """Backend choice for dense GEMM; the vendor BLAS is the default on GPUs (see docs/performance.md)."""
+
+    op_name = "gemm"
+    backends = {
+        BackendType.HIPBLASLT: HipblasltGemmBackend,
+        BackendType.TRITON: TritonGemmBackend,
+        BackendType.TORCH: TorchGemmBackend,
+    }
+
+    @classmethod
+    def make_key(cls, a, b, trans_a, trans_b, out_dtype, accumulate=False, **_: Any) -> Hashable:
+        m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+        n = b.shape[0] if trans_b else b.shape[1]
+        return (a.device.type, m, n, k, a.dtype, out_dtype, trans_a, trans_b, accumulate)
+
+    @classmethod
+    def default_backend(cls, a, **_: Any) -> BackendType:
+        return BackendType.HIPBLASLT if a.device.type == "cuda" else BackendType.TORCH
+
+    @classmethod
+    def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = kwargs.get("out")
+        if out is None:
+            return kwargs
+        return {**kwargs, "out": torch.zeros_like(out)}
+
+
+def last_selected_backend() -> BackendType | None:
+    """The backend the most recent GEMM call ran on (for benchmarks and logs)."""
+    return GemmDispatcher.last_selected()
+
+
+def _gemm_call(a, b, trans_a, trans_b, out_dtype, out, accumulate) -> torch.Tensor:
+    a, trans_a = _row_major(a, trans_a)
+    b, trans_b = _row_major(b, trans_b)
+    choice = GlobalBackendManager.get_gemm_backend(precision_of(a.dtype))
+    return GemmDispatcher.dispatch(
+        choice, a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype, out=out, accumulate=accumulate
+    )
+
+
+@torch.library.custom_op("primus_turbo::gemm", mutates_args=())
+def gemm_impl(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """``op(a) @ op(b)`` as a new (M, N) tensor of ``out_dtype``."""
+    return _gemm_call(a, b, trans_a, trans_b, out_dtype, None, False)
+
+
+@gemm_impl.register_fake
+def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
+    m = a.shape[1] if trans_a else a.shape[0]
+    n = b.shape[0] if trans_b else b.shape[1]
+    return a.new_empty((m, n), dtype=out_dtype)
+
+
+@torch.library.custom_op("primus_turbo::gemm_accum", mutates_args=("out",))
+def gemm_accum_impl(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool) -> None:
+    """``out += op(a) @ op(b)`` in ``out``'s dtype (fp32 ``main_grad`` for fused wgrad accumulation)."""
+    _gemm_call(a, b, trans_a, trans_b, out.dtype, out, True)
+
+
+@gemm_accum_impl.register_fake
+def _gemm_accum_fake(a, b, out, trans_a, trans_b):
+    return None

@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers. Leaves of the import graph: nothing here imports primus_turbo.pytorch."""

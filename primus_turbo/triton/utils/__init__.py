@@ -1,0 +1,5 @@
+"""Helpers shared by Triton launchers."""
+
+from primus_turbo.triton.utils.device_info import interpreter_active, num_sms, supports_tma
+
+__all__ = ["interpreter_active", "num_sms", "supports_tma"]

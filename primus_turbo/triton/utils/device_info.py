@@ -1,0 +1,37 @@
+"""Device facts the launchers need: interpreter mode, SM count and TMA support."""
+
+import functools
+import os
+
+import torch
+
+__all__ = ["interpreter_active", "num_sms", "supports_tma"]
+
+
+def interpreter_active() -> bool:
+    """True when Triton kernels run under ``TRITON_INTERPRET=1`` (the CPU test path)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units) of ``device``; a small fixed count on CPU."""
+    if device.type == "cuda":
+        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_has_tma(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def supports_tma(device: torch.device) -> bool:
+    """Tensor-memory-accelerator descriptors: NVIDIA sm_90+, and the interpreter emulates them."""
+    if device.type == "cuda":
+        return _cuda_has_tma(device.index if device.index is not None else torch.cuda.current_device())
+    return interpreter_active()
