@@ -159,7 +159,7 @@ class GlobalBackendManager:
         "moe_dispatch_combine": ENV_MOE_DISPATCH_COMBINE_BACKEND,
     }
     _NO_AUTOTUNE_OPS: ClassVar[frozenset[str]] = frozenset({"moe_dispatch_combine"})
-    _code: ClassVar[dict[str, dict[PrecisionType | None, BackendChoice]]] = {}
+    _code: ClassVar[dict[str, dict[PrecisionType, BackendChoice]]] = {}
     _auto_tune: ClassVar[bool | None] = None
 
     @classmethod
@@ -192,16 +192,15 @@ class GlobalBackendManager:
                 table.pop(precision, None)
             return
         choice = BackendChoice(backend=backend, auto_tune=auto_tune)
-        if precision is None:
-            table.clear()
-        table[precision] = choice
+        for slot in PrecisionType if precision is None else (precision,):
+            table[slot] = choice
 
     @classmethod
     def get_backend(cls, op: str, precision: PrecisionType) -> BackendChoice | None:
         """The user's choice for ``op`` at ``precision``, or None to let the op decide."""
-        table = cls._code.get(op)
-        if table:
-            return table.get(precision, table.get(None))
+        code_table = cls._code.get(op)
+        if code_table:
+            return code_table.get(precision)
         env_name = cls._ENV_BY_OP[op]
         spec = os.environ.get(env_name, "")
         if not spec.strip():
