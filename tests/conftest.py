@@ -81,7 +81,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--deterministic-only", action="store_true", help="run only @pytest.mark.deterministic tests")
+    parser.addoption(
+        "--deterministic-only", action="store_true", help="run only @pytest.mark.deterministic tests"
+    )
     parser.addoption("--dist-only", action="store_true", help="run only multi-process (multigpu) tests")
 
 
@@ -104,6 +106,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif is_det and not deterministic_only:
             item.add_marker(pytest.mark.skip(reason="deterministic tests run with --deterministic-only"))
         elif is_dist and under_xdist:
-            item.add_marker(pytest.mark.skip(reason="multi-process tests do not run under xdist; use --dist-only"))
+            item.add_marker(
+                pytest.mark.skip(reason="multi-process tests do not run under xdist; use --dist-only")
+            )
         if item.get_closest_marker("gpu") is not None and not HAS_GPU:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))

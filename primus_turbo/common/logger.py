@@ -22,7 +22,8 @@ def _configure_root() -> logging.Logger:
     level = logging.getLevelName(level_name)
     if not isinstance(level, int):
         raise ValueError(
-            f"{ENV_LOG_LEVEL}={level_name!r} is not a logging level; use DEBUG, INFO, WARNING, ERROR or CRITICAL"
+            f"{ENV_LOG_LEVEL}={level_name!r} is not a logging level; "
+            "use DEBUG, INFO, WARNING, ERROR or CRITICAL"
         )
     root.setLevel(level)
     return root

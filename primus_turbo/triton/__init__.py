@@ -1,1 +1,1 @@
-"""Triton kernels and their launchers. Leaves of the import graph: nothing here imports primus_turbo.pytorch."""
+"""Triton kernels and their launchers: leaves of the import graph (nothing from primus_turbo.pytorch)."""

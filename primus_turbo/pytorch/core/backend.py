@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
@@ -140,7 +140,10 @@ def parse_backend_spec(
         prec_key = prec_name.strip().lower()
         if not sep or prec_key not in _PRECISION_NAMES:
             valid = ", ".join(_PRECISION_NAMES)
-            raise ValueError(f"{source}: bad entry {item.strip()!r}; expected <precision>:<backend>, precision one of {valid}")
+            raise ValueError(
+                f"{source}: bad entry {item.strip()!r}; "
+                f"expected <precision>:<backend>, precision one of {valid}"
+            )
         precision = _PRECISION_NAMES[prec_key]
         choice = _choice_from_name(backend_name, source, allow_autotune)
         if table.get(precision, choice) != choice:
@@ -218,7 +221,10 @@ class GlobalBackendManager:
 
     @classmethod
     def set_gemm_backend(
-        cls, backend: BackendType | str | None = None, precision: PrecisionType | None = None, auto_tune: bool = False
+        cls,
+        backend: BackendType | str | None = None,
+        precision: PrecisionType | None = None,
+        auto_tune: bool = False,
     ) -> None:
         cls.set_backend("gemm", backend, precision, auto_tune)
 
@@ -228,7 +234,10 @@ class GlobalBackendManager:
 
     @classmethod
     def set_grouped_gemm_backend(
-        cls, backend: BackendType | str | None = None, precision: PrecisionType | None = None, auto_tune: bool = False
+        cls,
+        backend: BackendType | str | None = None,
+        precision: PrecisionType | None = None,
+        auto_tune: bool = False,
     ) -> None:
         cls.set_backend("grouped_gemm", backend, precision, auto_tune)
 
@@ -238,7 +247,10 @@ class GlobalBackendManager:
 
     @classmethod
     def set_attn_backend(
-        cls, backend: BackendType | str | None = None, precision: PrecisionType | None = None, auto_tune: bool = False
+        cls,
+        backend: BackendType | str | None = None,
+        precision: PrecisionType | None = None,
+        auto_tune: bool = False,
     ) -> None:
         cls.set_backend("attn", backend, precision, auto_tune)
 
@@ -361,7 +373,9 @@ def _tuning_forbidden(kwargs: dict[str, Any]) -> bool:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return True
     for value in kwargs.values():
-        if isinstance(value, torch.Tensor) and (value.is_meta or isinstance(value, torch._subclasses.FakeTensor)):
+        if isinstance(value, torch.Tensor) and (
+            value.is_meta or isinstance(value, torch._subclasses.FakeTensor)
+        ):
             return True
     return False
 
@@ -379,7 +393,9 @@ def _median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: 
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
+        ]
         for start, end in events:
             start.record()
             fn()
@@ -409,17 +425,20 @@ class AutoKernelDispatcher:
     profile_iters: ClassVar[int] = 10
     _cache: ClassVar[TuneCache]
     _last_selected: ClassVar[BackendType | None] = None
+    _counts: ClassVar[Counter[BackendType]]
     _subclasses: ClassVar[list[type[AutoKernelDispatcher]]] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._cache = TuneCache(cls.cache_capacity)
+        cls._counts = Counter()
         AutoKernelDispatcher._subclasses.append(cls)
 
     @classmethod
     def clear_all_caches(cls) -> None:
         for sub in AutoKernelDispatcher._subclasses:
             sub._cache.clear()
+            sub._counts.clear()
             sub._last_selected = None
 
     @classmethod
@@ -441,14 +460,29 @@ class AutoKernelDispatcher:
         return cls._last_selected
 
     @classmethod
+    def selection_counts(cls) -> dict[BackendType, int]:
+        """How many calls of this op ran on each backend since the last reset."""
+        return dict(cls._counts)
+
+    @classmethod
+    def _select(cls, backend: BackendType) -> BackendType:
+        cls._last_selected = backend
+        cls._counts[backend] += 1
+        return backend
+
+    @classmethod
     def _pinned(cls, backend: BackendType, kwargs: dict[str, Any]) -> BackendType:
         impl = cls.backends.get(backend)
         if impl is None:
             valid = ", ".join(b.name for b in cls.backends)
-            raise ValueError(f"{cls.op_name}: backend {backend.name} is not implemented for this op; choose from {valid}")
+            raise ValueError(
+                f"{cls.op_name}: backend {backend.name} is not implemented for this op; choose from {valid}"
+            )
         reason = impl.decline_reason(**kwargs)
         if reason is not None:
-            raise ValueError(f"{cls.op_name}: pinned backend {backend.name} cannot handle this call: {reason}")
+            raise ValueError(
+                f"{cls.op_name}: pinned backend {backend.name} cannot handle this call: {reason}"
+            )
         return backend
 
     @classmethod
@@ -468,7 +502,10 @@ class AutoKernelDispatcher:
                     impl = cls.backends[backend]
                     try:
                         timings[backend] = _median_ms(
-                            lambda impl=impl: impl.execute(**tuning), device, cls.warmup_iters, cls.profile_iters
+                            lambda impl=impl: impl.execute(**tuning),
+                            device,
+                            cls.warmup_iters,
+                            cls.profile_iters,
                         )
                     except Exception as exc:
                         _log.debug("%s: autotune run of %s failed: %s", cls.op_name, backend.name, exc)
@@ -490,21 +527,17 @@ class AutoKernelDispatcher:
     def resolve(cls, user_choice: BackendChoice | None, **kwargs: Any) -> BackendType:
         """The backend this call runs on, following the priority order in the module docstring."""
         if user_choice is not None and user_choice.backend is not None:
-            selected = cls._pinned(user_choice.backend, kwargs)
-            cls._last_selected = selected
-            return selected
+            return cls._select(cls._pinned(user_choice.backend, kwargs))
         if (user_choice is not None and user_choice.auto_tune) or GlobalBackendManager.auto_tune_enabled():
             key = cls.make_key(**kwargs)
             selected = cls._cache.get(key)
             if selected is None and not _tuning_forbidden(kwargs):
                 selected = cls.tune(key, kwargs)
             if selected is not None:
-                cls._last_selected = selected
-                return selected
+                return cls._select(selected)
         default = cls.default_backend(**kwargs)
         if default is not None and default in cls.backends and cls.backends[default].can_handle(**kwargs):
-            cls._last_selected = default
-            return default
+            return cls._select(default)
         reasons = []
         for backend, impl in cls.backends.items():
             reason = impl.decline_reason(**kwargs)
@@ -516,8 +549,7 @@ class AutoKernelDispatcher:
                         f"{cls.op_name}: default backend {default.name} cannot handle a call; "
                         f"falling back to {backend.name}, which may be slower",
                     )
-                cls._last_selected = backend
-                return backend
+                return cls._select(backend)
             reasons.append(f"{backend.name}: {reason}")
         raise ValueError(f"{cls.op_name}: no backend can handle this call ({'; '.join(reasons)})")
 

@@ -28,7 +28,9 @@ class Linear(nn.Module):
     ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"in_features and out_features must be positive, got {in_features}, {out_features}")
+            raise ValueError(
+                f"in_features and out_features must be positive, got {in_features}, {out_features}"
+            )
         self.in_features = in_features
         self.out_features = out_features
         factory = {"device": device, "dtype": dtype}
@@ -45,10 +47,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"Linear expects the last dim of x to be {self.in_features}, got {tuple(x.shape)}")
+            raise ValueError(
+                f"Linear expects the last dim of x to be {self.in_features}, got {tuple(x.shape)}"
+            )
         out = gemm(x.reshape(-1, self.in_features), self.weight, trans_b=True)
         out = out.view(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )

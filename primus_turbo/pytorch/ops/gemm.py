@@ -72,7 +72,9 @@ def _check_gemm_args(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern
     out_dtype = a.dtype if out_dtype is None else out_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
     if fuse_bgrad_accum_pattern not in _ACCUM_PATTERNS:
-        raise ValueError(f"fuse_bgrad_accum_pattern must be None or 'megatron', got {fuse_bgrad_accum_pattern!r}")
+        raise ValueError(
+            f"fuse_bgrad_accum_pattern must be None or 'megatron', got {fuse_bgrad_accum_pattern!r}"
+        )
     if fuse_bgrad_accum_pattern == "megatron":
         main_grad = getattr(b, "main_grad", None)
         if not isinstance(main_grad, torch.Tensor):

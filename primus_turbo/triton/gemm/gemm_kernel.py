@@ -220,7 +220,12 @@ def _gemm_pointer_kernel(
 
 
 def _row_major_tma_ok(t: torch.Tensor) -> bool:
-    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    return (
+        t.dim() == 2
+        and t.stride(1) == 1
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
 
 
 def tma_compatible(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:

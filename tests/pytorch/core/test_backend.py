@@ -43,7 +43,10 @@ def _clean(monkeypatch):
             "fp8:TRITON,other:HIPBLASLT",
             {FP8: BackendChoice(BackendType.TRITON), None: BackendChoice(BackendType.HIPBLASLT)},
         ),
-        ("FP8:ck, BF16:triton", {FP8: BackendChoice(BackendType.CK), BF16: BackendChoice(BackendType.TRITON)}),
+        (
+            "FP8:ck, BF16:triton",
+            {FP8: BackendChoice(BackendType.CK), BF16: BackendChoice(BackendType.TRITON)},
+        ),
         ("fp8:autotune,other:ck", {FP8: BackendChoice(auto_tune=True), None: BackendChoice(BackendType.CK)}),
         ("bf16:torch,fp16:torch", {BF16: BackendChoice(BackendType.TORCH)}),
         ("fp4:turbo", {PrecisionType.FP4: BackendChoice(BackendType.TURBO)}),

@@ -15,10 +15,14 @@ from tests.pytorch.test_utils import DEVICES, get_tolerances
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = DEVICES[0]
-BACKENDS = [BackendType.HIPBLASLT, BackendType.TRITON, BackendType.TORCH] if ON_GPU else [
-    BackendType.TRITON,
-    BackendType.TORCH,
-]
+BACKENDS = (
+    [BackendType.HIPBLASLT, BackendType.TRITON, BackendType.TORCH]
+    if ON_GPU
+    else [
+        BackendType.TRITON,
+        BackendType.TORCH,
+    ]
+)
 SHAPES = [(1, 1, 1), (1, 16, 17), (16, 1, 16), (33, 40, 64), (64, 48, 130), (127, 65, 33)]
 if ON_GPU:
     SHAPES += [(512, 1024, 2048), (2048, 4096, 1024), (1, 4096, 4096), (4096, 129, 255), (255, 256, 4096)]
@@ -69,7 +73,9 @@ def test_gemm_forward_backward(m, n, k, trans_a, trans_b, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+@pytest.mark.parametrize(
+    "in_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+)
 def test_gemm_wider_out_dtype(in_dtype, out_dtype, backend):
     torch.manual_seed(0)
     _pin(backend)
@@ -139,7 +145,9 @@ def test_gemm_megatron_fused_wgrad_accumulation(backend, trans_b, zero_out_wgrad
     out.backward(grad_out)
     _, ref_dx, ref_dw = gemm_ref_with_grads(x, weight, grad_out, False, trans_b)
     assert weight.grad_added_to_main_grad is True
-    torch.testing.assert_close(weight.main_grad.cpu().double(), start.cpu().double() + ref_dw, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        weight.main_grad.cpu().double(), start.cpu().double() + ref_dw, rtol=1e-4, atol=1e-4
+    )
     assert weight.grad.shape == weight.shape and weight.grad.dtype == weight.dtype
     if zero_out_wgrad:
         assert torch.count_nonzero(weight.grad) == 0
@@ -258,7 +266,11 @@ def test_gemm_deterministic(m, n, k, backend):
 @pytest.mark.parametrize(
     "make_args,error,match",
     [
-        (lambda: (torch.ones(4, 4, dtype=torch.int32), torch.ones(4, 4, dtype=torch.int32)), TypeError, "a.dtype"),
+        (
+            lambda: (torch.ones(4, 4, dtype=torch.int32), torch.ones(4, 4, dtype=torch.int32)),
+            TypeError,
+            "a.dtype",
+        ),
         (lambda: (torch.ones(4, 4), torch.ones(4, 4, dtype=torch.bfloat16)), TypeError, "same dtype"),
         (lambda: (torch.ones(4, 5), torch.ones(4, 4)), ValueError, "inner dimensions differ"),
         (lambda: (torch.ones(2, 4, 4), torch.ones(4, 4)), ValueError, "a must be 2-D"),

@@ -154,12 +154,21 @@ def _gemm_call(a, b, trans_a, trans_b, out_dtype, out, accumulate) -> torch.Tens
     b, trans_b = _row_major(b, trans_b)
     choice = GlobalBackendManager.get_gemm_backend(precision_of(a.dtype))
     return GemmDispatcher.dispatch(
-        choice, a=a, b=b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype, out=out, accumulate=accumulate
+        choice,
+        a=a,
+        b=b,
+        trans_a=trans_a,
+        trans_b=trans_b,
+        out_dtype=out_dtype,
+        out=out,
+        accumulate=accumulate,
     )
 
 
 @torch.library.custom_op("primus_turbo::gemm", mutates_args=())
-def gemm_impl(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def gemm_impl(
+    a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
     """``op(a) @ op(b)`` as a new (M, N) tensor of ``out_dtype``."""
     return _gemm_call(a, b, trans_a, trans_b, out_dtype, None, False)
 
@@ -172,7 +181,9 @@ def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
 
 
 @torch.library.custom_op("primus_turbo::gemm_accum", mutates_args=("out",))
-def gemm_accum_impl(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool) -> None:
+def gemm_accum_impl(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool
+) -> None:
     """``out += op(a) @ op(b)`` in ``out``'s dtype (fp32 ``main_grad`` for fused wgrad accumulation)."""
     _gemm_call(a, b, trans_a, trans_b, out.dtype, out, True)
 
