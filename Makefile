@@ -13,8 +13,10 @@ env: $(VENV)/.ready
 
 $(VENV)/.ready: requirements-cpu.txt setup.py pyproject.toml
 	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
-		echo "make: GPU torch found; venv reuses the system packages"; \
-		$(PYTHON) -m venv --system-site-packages $(VENV); \
+		echo "make: GPU torch found; the venv reuses its packages"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV) && \
+		$(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
+			> $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/host_python.pth; \
 	else \
 		echo "make: no GPU torch; installing the pinned CPU stack"; \
 		$(PYTHON) -m venv $(VENV) && \

@@ -1,0 +1,337 @@
+"""Benchmark primus_turbo ``gemm`` against ``torch.matmul`` on real model GEMM shapes.
+
+For every shape and backend label the turbo forward (``gemm(a, w, trans_b=True)``) and backward
+(dgrad + wgrad through autograd) are checked against an fp32 reference and timed next to
+``torch.matmul(a, w.t())`` in the same process. See ``benchmark/README.md``.
+
+Example::
+
+    python -m benchmark.ops.training.bench_gemm_turbo --shapes quick --backends TRITON,AUTO -o out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import triton
+import triton.testing
+from tabulate import tabulate
+
+from benchmark.ops.training.config import SHAPE_SETS, GemmShape, gemm_shape_set
+
+try:
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
+
+LOG = logging.getLogger("bench_gemm_turbo")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTO = "AUTO"
+CHECK_TOL = 1e-2  # bound on the relative Frobenius error against the fp32 reference
+PARITY = 0.99  # a Fwd ratio at or above this counts as on par with torch.matmul
+ERROR_CHARS = 200  # exception text kept in the CSV
+TABLE_ERROR_CHARS = 40  # and in the console table
+
+CSV_COLUMNS = [
+    "Case", "GEMM", "MBS", "M", "N", "K", "Dtype", "Backend", "Selected", "Check", "Rel err",
+    "Fwd ms", "Fwd TFLOPS", "Bwd ms", "Bwd TFLOPS",
+    "Peer Fwd ms", "Peer Fwd TFLOPS", "Peer Bwd ms", "Peer Bwd TFLOPS",
+    "Fwd ratio", "Bwd ratio", "Error", "Platform", "Torch", "Triton",
+]  # fmt: skip
+# Console table: header -> CSV column.
+TABLE_COLUMNS = {
+    "Case": "Case", "GEMM": "GEMM", "MBS": "MBS", "M": "M", "N": "N", "K": "K",
+    "Backend": "Backend", "Selected": "Selected", "Check": "Check",
+    "Fwd TF": "Fwd TFLOPS", "Bwd TF": "Bwd TFLOPS", "Peer Fwd TF": "Peer Fwd TFLOPS",
+    "Peer Bwd TF": "Peer Bwd TFLOPS", "Fwd ratio": "Fwd ratio", "Bwd ratio": "Bwd ratio", "Error": "Error",
+}  # fmt: skip
+
+Op = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Timer = Callable[[Callable[[], object], list[torch.Tensor] | None], float]
+Row = dict[str, Any]
+
+
+def cuda_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of ``fn`` from CUDA events; triton flushes L2 before every timed call."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def cpu_timer(
+    fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None, iters: int = 5
+) -> float:
+    """Median wall-clock milliseconds of ``fn`` after one warm-up call (CPU smoke tests only)."""
+    times = []
+    for _ in range(iters + 1):
+        for t in grad_to_none or ():
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def load_turbo(backends: list[str]) -> tuple[Op, Callable[[str], None]]:
+    """Import primus_turbo, validate the backend labels and return ``(gemm op, configure(label))``.
+
+    The import is deferred so that ``--help`` works without primus_turbo installed.
+    """
+    from primus_turbo.pytorch import ops
+    from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+
+    valid = [b.name for b in BackendType] + [AUTO]
+    unknown = [b for b in backends if b not in valid]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; choose from {valid}")
+
+    def configure(label: str) -> None:
+        GlobalBackendManager.reset()
+        if label == AUTO:
+            GlobalBackendManager.set_auto_tune(True)
+        else:
+            GlobalBackendManager.set_gemm_backend(BackendType[label])
+
+    return functools.partial(ops.gemm, trans_b=True), configure
+
+
+def selected_backend() -> str:
+    """Backend the turbo dispatcher used for the last GEMM, or ``"?"`` if the API does not say."""
+    try:
+        from primus_turbo.pytorch.kernels.gemm.gemm_impl import last_selected_backend
+
+        choice = last_selected_backend()
+    except (AttributeError, ImportError):
+        return "?"
+    return "?" if choice is None else getattr(choice, "name", str(choice))
+
+
+def shape_label(shape: GemmShape) -> str:
+    """Human-readable shape name for logs."""
+    return f"{shape.model} {shape.gemm} mbs{shape.mbs} (M={shape.M}, N={shape.N}, K={shape.K})"
+
+
+def matmul_op(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The peer: torch.matmul (cuBLAS / hipBLASLt) in the Linear layout."""
+    return torch.matmul(a, w.t())
+
+
+def make_inputs(shape: GemmShape, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
+    """Random a (M, K) and w (N, K) requiring grad, scaled so that out ~ N(0, 1); grad_out (M, N)."""
+    a = torch.randn(shape.M, shape.K, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(shape.N, shape.K, dtype=dtype, device=device).mul_(shape.K**-0.5).requires_grad_()
+    grad_out = torch.randn(shape.M, shape.N, dtype=dtype, device=device)
+    return a, w, grad_out
+
+
+def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative Frobenius error ||actual - reference|| / ||reference||; overwrites ``reference``."""
+    norm = torch.linalg.vector_norm(reference)
+    return (torch.linalg.vector_norm(reference.sub_(actual)) / norm).item()
+
+
+def check_turbo(
+    op: Op, a: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[str, float, str, str]:
+    """Run ``op`` forward + backward once and compare with fp32 torch.matmul.
+
+    Returns ``(PASS|FAIL, worst relative error, failure detail, selected backend)``. The fp32
+    references are built one at a time to bound memory on the lm_head shapes.
+    """
+    out = op(a, w)
+    selected = selected_backend()
+    out.backward(grad_out)
+    a32, w32 = a.detach(), w.detach()
+    errors = {
+        "out": rel_error(out.detach(), a32.float() @ w32.float().t()),
+        "grad_a": rel_error(a.grad, grad_out.float() @ w32.float()),
+        "grad_w": rel_error(w.grad, grad_out.float().t() @ a32.float()),
+    }
+    a.grad = w.grad = None
+    worst = max(errors, key=errors.__getitem__)
+    if errors[worst] < CHECK_TOL:  # False for NaN too
+        return "PASS", errors[worst], "", selected
+    return "FAIL", errors[worst], f"{worst} rel err {errors[worst]:.2e} >= {CHECK_TOL:g}", selected
+
+
+def time_fwd_bwd(
+    op: Op, a: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, timer: Timer
+) -> tuple[float, float]:
+    """Milliseconds of the forward (no autograd) and of the backward of a graph built once."""
+    with torch.no_grad():
+        fwd_ms = timer(lambda: op(a, w), None)
+    out = op(a, w)
+    bwd_ms = timer(lambda: out.backward(grad_out, retain_graph=True), [a, w])
+    a.grad = w.grad = None
+    return fwd_ms, bwd_ms
+
+
+def timing_columns(prefix: str, shape: GemmShape, fwd_ms: float, bwd_ms: float) -> Row:
+    """ms and TFLOPS columns; the forward is 2*M*N*K FLOPs and the backward (dgrad + wgrad) twice that."""
+    fwd_flops = 2 * shape.M * shape.N * shape.K
+    return {
+        f"{prefix}Fwd ms": fwd_ms,
+        f"{prefix}Fwd TFLOPS": fwd_flops / fwd_ms / 1e9,
+        f"{prefix}Bwd ms": bwd_ms,
+        f"{prefix}Bwd TFLOPS": 2 * fwd_flops / bwd_ms / 1e9,
+    }
+
+
+def bench_shape(
+    shape: GemmShape,
+    backends: list[str],
+    turbo_op: Op,
+    configure: Callable[[str], None],
+    args: argparse.Namespace,
+    timer: Timer,
+    env: Row,
+) -> list[Row]:
+    """One row per backend label; the peer is timed once per shape unless ``--peer-per-backend``."""
+    a, w, grad_out = make_inputs(shape, DTYPES[args.dtype], args.device)
+    peer: tuple[float, float] | None = None
+    rows = []
+    for label in backends:
+        row: Row = {"Case": shape.model, "GEMM": shape.gemm, "MBS": shape.mbs, "M": shape.M, "N": shape.N}
+        row.update(K=shape.K, Dtype=args.dtype, Backend=label, **env)
+        try:
+            if peer is None or args.peer_per_backend:
+                peer = time_fwd_bwd(matmul_op, a, w, grad_out, timer)
+            row.update(timing_columns("Peer ", shape, *peer))
+            configure(label)
+            row["Check"], row["Rel err"], row["Error"], row["Selected"] = check_turbo(
+                turbo_op, a, w, grad_out
+            )
+            fwd_ms, bwd_ms = time_fwd_bwd(turbo_op, a, w, grad_out, timer)
+            row.update(timing_columns("", shape, fwd_ms, bwd_ms))
+            row["Fwd ratio"] = peer[0] / fwd_ms
+            row["Bwd ratio"] = peer[1] / bwd_ms
+        except Exception as exc:  # report the row and keep benchmarking
+            row["Check"] = "ERROR"
+            row["Error"] = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+            a.grad = w.grad = None
+        if row["Check"] != "PASS":
+            LOG.warning("%s %s: %s %s", shape_label(shape), label, row["Check"], row["Error"])
+        rows.append(row)
+    return rows
+
+
+def table_cell(column: str, value: Any) -> Any:
+    """Compact console formatting of one cell."""
+    if column == "Error":
+        return value[:TABLE_ERROR_CHARS]
+    if not isinstance(value, float):
+        return value
+    if column == "Rel err":
+        return f"{value:.2e}"
+    if "ratio" in column:
+        return f"{value:.3f}"
+    return f"{value:.4f}" if column.endswith("ms") else f"{value:.1f}"
+
+
+def summarize(rows: list[Row], backends: list[str]) -> list[list[Any]]:
+    """Per backend: geomean Fwd/Bwd ratio over PASS rows, worst ratios and where, count at parity."""
+    summary = []
+    for label in backends:
+        mine = [r for r in rows if r["Backend"] == label]
+        ok = [r for r in mine if r["Check"] == "PASS"]
+        line: list[Any] = [label, f"{len(ok)}/{len(mine)}"]
+        for key in ("Fwd ratio", "Bwd ratio"):
+            if ok:
+                worst = min(ok, key=lambda r: r[key])
+                where = f"{worst['Case']} {worst['GEMM']} mbs{worst['MBS']}"
+                line += [
+                    f"{statistics.geometric_mean(r[key] for r in ok):.3f}",
+                    f"{worst[key]:.3f} ({where})",
+                ]
+            else:
+                line += ["-", "-"]
+        line.append(f"{sum(r['Fwd ratio'] >= PARITY for r in ok)}/{len(ok)}")
+        summary.append(line)
+    return summary
+
+
+def progress(shapes: list[GemmShape]) -> Iterator[GemmShape]:
+    """Iterate with a tqdm bar when tqdm is installed, else log each shape."""
+    if tqdm is not None:
+        yield from tqdm(shapes, unit="shape")
+        return
+    for i, shape in enumerate(shapes, 1):
+        LOG.info("[%d/%d] %s", i, len(shapes), shape_label(shape))
+        yield shape
+
+
+def platform_name(device: str) -> str:
+    """``CUDA <gpu>``, ``ROCm <gpu>`` or ``CPU <arch>``."""
+    if device == "cpu":
+        return f"CPU {platform.machine()}"
+    return f"{'ROCm' if torch.version.hip else 'CUDA'} {torch.cuda.get_device_name()}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", choices=SHAPE_SETS, default="quick", help="shape set from config.py")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument(
+        "--backends",
+        default="HIPBLASLT,TRITON,AUTO",
+        help="comma-separated BackendType names; AUTO = autotune over all eligible backends",
+    )
+    p.add_argument("-o", "--output", default="bench_gemm_turbo.csv", help="CSV path")
+    p.add_argument("--num-shards", type=int, default=1, help="split the shape list into this many shards")
+    p.add_argument("--shard-id", type=int, default=0, help="shard to run, 0 <= id < --num-shards")
+    p.add_argument(
+        "--peer-per-backend", action="store_true", help="re-time torch.matmul for every backend row"
+    )
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test with wall-clock timing"
+    )
+    args = p.parse_args(argv)
+    if not 0 <= args.shard_id < args.num_shards:
+        p.error("need 0 <= --shard-id < --num-shards")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark, write the CSV and print the result and summary tables."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
+    turbo_op, configure = load_turbo(backends)
+    shapes = gemm_shape_set(args.shapes)[args.shard_id :: args.num_shards]
+    timer = cpu_timer if args.device == "cpu" else cuda_timer
+    env = {"Platform": platform_name(args.device), "Torch": torch.__version__, "Triton": triton.__version__}
+    LOG.info("%d shapes x %d backends on %s, %s", len(shapes), len(backends), env["Platform"], args.dtype)
+    torch.manual_seed(0)
+
+    rows: list[Row] = []
+    with open(args.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for shape in progress(shapes):
+            for row in bench_shape(shape, backends, turbo_op, configure, args, timer, env):
+                writer.writerow(row)
+                rows.append(row)
+            f.flush()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+
+    table = [[table_cell(col, r.get(col)) for col in TABLE_COLUMNS.values()] for r in rows]
+    print(tabulate(table, headers=list(TABLE_COLUMNS), missingval="-", disable_numparse=True))
+    print()
+    print(f"Summary over Check=PASS shapes (ratio = turbo TFLOPS / torch.matmul TFLOPS, parity >= {PARITY}):")
+    headers = ["Backend", "PASS", "Fwd geomean", "Fwd min", "Bwd geomean", "Bwd min", f"Fwd >= {PARITY}"]
+    print(tabulate(summarize(rows, backends), headers=headers, disable_numparse=True))
+    LOG.info("wrote %d rows to %s", len(rows), args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU validation on the device machine: build (with the C++ extension), the GPU test suite, the
+# deterministic suite and the GEMM benchmark. Logs and CSVs go to $OUT (default ./out).
+#   SHAPES=quick|full   benchmark shape set (default quick)
+#   BENCH_SHARD=i/n     run shard i of n of the shape set (default 0/1)
+#   SKIP_TESTS=1        benchmark only
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-out}
+SHAPES=${SHAPES:-quick}
+BENCH_SHARD=${BENCH_SHARD:-0/1}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$OUT/env.txt"
+
+status=0
+make env 2>&1 | tail -n 40 | tee "$OUT/build.log" || status=1
+.venv/bin/python -c "import primus_turbo._C; print('C++ extension loaded')" 2>&1 | tee -a "$OUT/build.log"
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  .venv/bin/python -m pytest tests -n 8 -q -p no:cacheprovider 2>&1 | tail -n 60 | tee "$OUT/tests.log" || status=1
+  .venv/bin/python -m pytest tests -n 4 -q -p no:cacheprovider --deterministic-only 2>&1 | tail -n 20 \
+    | tee "$OUT/tests_deterministic.log" || status=1
+fi
+
+.venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
+  --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
+  -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_${SHAPES}.log" || status=1
+exit $status
