@@ -11,6 +11,11 @@ SHAPES=${SHAPES:-quick}
 BENCH_SHARD=${BENCH_SHARD:-0/1}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+# The device image's default g++ (/opt/gcc) links its own libstdc++ into extensions, which crashes when
+# torch formats error messages; the system compiler does not.
+if [ -x /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"
+fi
 
 {
   date -u +%Y-%m-%dT%H:%MZ

@@ -58,14 +58,14 @@ def test_meta_shape(num_groups):
 
 
 @pytest.mark.parametrize(
-    "lens, message",
+    "make_lens, message",
     [
-        (torch.ones(4, dtype=torch.int32), "int64"),
-        (torch.ones(2, 3, dtype=torch.int64), "1-D"),
-        (torch.ones(8, dtype=torch.int64)[::2], "contiguous"),
+        (lambda: torch.ones(4, dtype=torch.int32, device="cuda"), "int64"),
+        (lambda: torch.ones(2, 3, dtype=torch.int64, device="cuda"), "1-D"),
+        (lambda: torch.ones(8, dtype=torch.int64, device="cuda")[::2], "contiguous"),
     ],
     ids=["int32", "2d", "strided"],
 )
-def test_bad_input_raises(lens, message):
+def test_bad_input_raises(make_lens, message):
     with pytest.raises(RuntimeError, match=message):
-        _op()(lens.cuda())
+        _op()(make_lens())
