@@ -15,7 +15,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from primus_turbo.triton.utils.device_info import interpreter_active, num_sms, supports_tma
+from primus_turbo.triton.utils.device_info import (
+    interpreter_active,
+    kernel_autotune_enabled,
+    num_sms,
+    supports_tma,
+)
 
 __all__ = ["gemm_triton", "tma_compatible"]
 
@@ -36,6 +41,7 @@ def _tma_configs() -> list[triton.Config]:
             (128, 128, 128, 8, 3, 8, True),
             (64, 256, 64, 8, 4, 4, True),
         ]
+        shapes = shapes if kernel_autotune_enabled() else shapes[:1]
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "EPILOGUE_SPLIT": split},
@@ -58,6 +64,7 @@ def _pointer_configs() -> list[triton.Config]:
             (64, 128, 64, 8, 4, 4),
             (64, 64, 32, 8, 4, 2),
         ]
+        shapes = shapes if kernel_autotune_enabled() else shapes[:1]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_stages=s, num_warps=w)
         for bm, bn, bk, gm, s, w in shapes
@@ -121,7 +128,7 @@ def _store_tile(c_desc, acc, off_m, off_n, ACCUMULATE: tl.constexpr):
     pre_hook=_keep_tma_out.save,
     post_hook=_keep_tma_out.restore,
 )
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K"])
 def _gemm_tma_persistent_kernel(
     a_desc,
     b_desc,
@@ -176,7 +183,7 @@ def _gemm_tma_persistent_kernel(
     pre_hook=_keep_pointer_out.save,
     post_hook=_keep_pointer_out.restore,
 )
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N", "K"])
 def _gemm_pointer_kernel(
     a_ptr,
     b_ptr,

@@ -1,5 +1,10 @@
 """Helpers shared by Triton launchers."""
 
-from primus_turbo.triton.utils.device_info import interpreter_active, num_sms, supports_tma
+from primus_turbo.triton.utils.device_info import (
+    interpreter_active,
+    kernel_autotune_enabled,
+    num_sms,
+    supports_tma,
+)
 
-__all__ = ["interpreter_active", "num_sms", "supports_tma"]
+__all__ = ["interpreter_active", "kernel_autotune_enabled", "num_sms", "supports_tma"]

@@ -5,12 +5,19 @@ import os
 
 import torch
 
-__all__ = ["interpreter_active", "num_sms", "supports_tma"]
+from primus_turbo.common.constants import ENV_TRITON_AUTOTUNE
+
+__all__ = ["interpreter_active", "kernel_autotune_enabled", "num_sms", "supports_tma"]
 
 
 def interpreter_active() -> bool:
     """True when Triton kernels run under ``TRITON_INTERPRET=1`` (the CPU test path)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_autotune_enabled() -> bool:
+    """False when ``PRIMUS_TURBO_TRITON_AUTOTUNE=0``: kernels keep only their first config."""
+    return os.environ.get(ENV_TRITON_AUTOTUNE, "1").strip() != "0"
 
 
 @functools.lru_cache(maxsize=None)
