@@ -29,14 +29,18 @@ make env 2>&1 | tail -n 40 | tee "$OUT/build.log" || status=1
 .venv/bin/python -c "import torch, primus_turbo._C; print('C++ extension loaded')" 2>&1 | tee -a "$OUT/build.log"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" .venv/bin/python -m pytest tests -n 8 -q -p no:cacheprovider \
-    --durations=15 > "$OUT/tests.log" 2>&1 || status=1
+  export PRIMUS_TURBO_TRITON_AUTOTUNE=0
+  timeout "${TEST_TIMEOUT:-300}" .venv/bin/python -m pytest tests -n 8 -v --tb=short -p no:cacheprovider \
+    -p no:benchmark --durations=15 > "$OUT/tests.log" 2>&1 || status=1
+  grep -E "FAILED|ERROR" "$OUT/tests.log" | head -n 40
   tail -n 40 "$OUT/tests.log"
   timeout "${TEST_TIMEOUT:-300}" .venv/bin/python -m pytest tests -n 4 -q -p no:cacheprovider \
     --deterministic-only > "$OUT/tests_deterministic.log" 2>&1 || status=1
   tail -n 15 "$OUT/tests_deterministic.log"
+  unset PRIMUS_TURBO_TRITON_AUTOTUNE
 fi
 
+[ "${SKIP_BENCH:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
   --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
   -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_${SHAPES}.log" || status=1

@@ -40,8 +40,8 @@ def _tma_configs() -> list[triton.Config]:
             (128, 128, 64, 8, 5, 4, False),
             (128, 128, 128, 8, 3, 8, True),
             (64, 256, 64, 8, 4, 4, True),
+            (128, 128, 32, 8, 3, 8, True),
         ]
-        shapes = shapes if kernel_autotune_enabled() else shapes[:1]
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "EPILOGUE_SPLIT": split},
@@ -64,11 +64,34 @@ def _pointer_configs() -> list[triton.Config]:
             (64, 128, 64, 8, 4, 4),
             (64, 64, 32, 8, 4, 2),
         ]
-        shapes = shapes if kernel_autotune_enabled() else shapes[:1]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_stages=s, num_warps=w)
         for bm, bn, bk, gm, s, w in shapes
     ]
+
+
+_SMEM_BUDGET = 220 * 1024  # Hopper allows 227 KB of dynamic shared memory per block
+
+
+def _smem_bytes(config: triton.Config, in_bytes: int, out_bytes: int) -> int:
+    """Shared memory of a config: pipelined operand tiles plus the TMA epilogue staging tile."""
+    kw = config.kwargs
+    operands = config.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * in_bytes
+    split = kw.get("EPILOGUE_SPLIT")
+    epilogue = 0 if split is None else kw["BLOCK_M"] * (kw["BLOCK_N"] // (2 if split else 1)) * out_bytes
+    return operands + epilogue
+
+
+def _prune_configs(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
+    """Drop configs that cannot fit the operand dtypes in shared memory (fp32 needs smaller tiles);
+    keep only the first fitting one when kernel autotuning is off."""
+    a, out = (
+        named_args[name] for name in (("a_desc", "c_desc") if "a_desc" in named_args else ("a_ptr", "c_ptr"))
+    )
+    a, out = (t.base if isinstance(t, TensorDescriptor) else t for t in (a, out))
+    fitting = [c for c in configs if _smem_bytes(c, a.element_size(), out.element_size()) <= _SMEM_BUDGET]
+    fitting = fitting or configs[-1:]
+    return fitting if kernel_autotune_enabled() else fitting[:1]
 
 
 def _set_tma_block_shapes(nargs: dict) -> None:
@@ -125,6 +148,7 @@ def _store_tile(c_desc, acc, off_m, off_n, ACCUMULATE: tl.constexpr):
 @triton.autotune(
     configs=_tma_configs(),
     key=["M", "N", "K", "TRANS_A", "TRANS_B", "ACCUMULATE", "DTYPES"],
+    prune_configs_by={"early_config_prune": _prune_configs},
     pre_hook=_keep_tma_out.save,
     post_hook=_keep_tma_out.restore,
 )
@@ -180,6 +204,7 @@ def _gemm_tma_persistent_kernel(
 @triton.autotune(
     configs=_pointer_configs(),
     key=["M", "N", "K", "ACCUMULATE", "DTYPES"],
+    prune_configs_by={"early_config_prune": _prune_configs},
     pre_hook=_keep_pointer_out.save,
     post_hook=_keep_pointer_out.restore,
 )
