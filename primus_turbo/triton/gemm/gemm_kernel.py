@@ -73,23 +73,27 @@ def _pointer_configs() -> list[triton.Config]:
 _SMEM_BUDGET = 220 * 1024  # Hopper allows 227 KB of dynamic shared memory per block
 
 
-def _smem_bytes(config: triton.Config, in_bytes: int, out_bytes: int) -> int:
-    """Shared memory of a config: pipelined operand tiles plus the TMA epilogue staging tile."""
+def _smem_bytes(config: triton.Config, in_bytes: int, out_bytes: int, accumulate: bool) -> int:
+    """Shared memory of a config: pipelined operand tiles plus the TMA epilogue tiles (store, and the
+    load of the existing output when accumulating)."""
     kw = config.kwargs
     operands = config.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * in_bytes
     split = kw.get("EPILOGUE_SPLIT")
     epilogue = 0 if split is None else kw["BLOCK_M"] * (kw["BLOCK_N"] // (2 if split else 1)) * out_bytes
-    return operands + epilogue
+    return operands + epilogue * (2 if accumulate else 1)
 
 
-def _prune_configs(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
-    """Drop configs that cannot fit the operand dtypes in shared memory (fp32 needs smaller tiles);
-    keep only the first fitting one when kernel autotuning is off."""
+def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """Drop configs that cannot fit the operand dtypes in shared memory (fp32 and accumulation need
+    smaller tiles); keep only the first fitting one when kernel autotuning is off."""
     a, out = (
         named_args[name] for name in (("a_desc", "c_desc") if "a_desc" in named_args else ("a_ptr", "c_ptr"))
     )
     a, out = (t.base if isinstance(t, TensorDescriptor) else t for t in (a, out))
-    fitting = [c for c in configs if _smem_bytes(c, a.element_size(), out.element_size()) <= _SMEM_BUDGET]
+    accumulate = bool(kwargs.get("ACCUMULATE"))
+    fitting = [
+        c for c in configs if _smem_bytes(c, a.element_size(), out.element_size(), accumulate) <= _SMEM_BUDGET
+    ]
     fitting = fitting or configs[-1:]
     return fitting if kernel_autotune_enabled() else fitting[:1]
 

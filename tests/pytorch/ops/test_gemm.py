@@ -50,7 +50,15 @@ def _pin(backend):
 
 
 def _check_close(actual, expected, dtype):
-    torch.testing.assert_close(actual.detach().cpu().double(), expected, **get_tolerances(dtype))
+    """allclose at the dtype's gate on values normalised by the reference's max-abs.
+
+    Accumulation-order and output-rounding errors of a K-long dot product scale with the output's range,
+    so elements that cancel to near zero are judged against that range, not their own size.
+    """
+    scale = expected.abs().max().clamp_min(1e-30) if expected.numel() else 1.0
+    torch.testing.assert_close(
+        actual.detach().cpu().double() / scale, expected / scale, **get_tolerances(dtype)
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
@@ -91,8 +99,9 @@ def test_gemm_default_backend_and_narrower_out_dtype():
     out = gemm(a, b, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     _check_close(out, gemm_ref(a, b), torch.bfloat16)
-    expected = BackendType.HIPBLASLT if ON_GPU else BackendType.TORCH
-    assert gemm_kernels.last_selected_backend() in (expected, BackendType.TORCH)
+    # the vendor BLAS cannot narrow fp32 to bf16: the first registered backend that can runs instead
+    expected = BackendType.TRITON if ON_GPU else BackendType.TORCH
+    assert gemm_kernels.last_selected_backend() is expected
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
