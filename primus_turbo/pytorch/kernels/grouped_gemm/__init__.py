@@ -1,0 +1,1 @@
+"""Grouped GEMM kernels and helpers."""
