@@ -387,27 +387,49 @@ def _first_device(kwargs: dict[str, Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def _median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def _elapsed_ms(fn: Callable[[], Any], calls: int, device: torch.device) -> float:
+    """Milliseconds for ``calls`` back-to-back calls (CUDA events on a GPU, a host clock elsewhere)."""
     if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
-        ]
-        for start, end in events:
-            start.record()
+        start.record()
+        for _ in range(calls):
             fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _time_candidates(
+    fns: dict[BackendType, Callable[[], Any]], device: torch.device, warmup: int, rounds: int, batch_ms: float
+) -> dict[BackendType, float]:
+    """Median per-call milliseconds of each function.
+
+    Calls run in batches of about ``batch_ms`` so launch overhead overlaps device work as it does in
+    training, and the candidates alternate round by round so clock and thermal drift hit all of them.
+    A candidate that raises gets ``inf``.
+    """
+    timings = {backend: math.inf for backend in fns}
+    calls: dict[BackendType, int] = {}
+    for backend, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            once = _elapsed_ms(fn, 1, device)
+        except Exception as exc:
+            _log.debug("autotune run of %s failed: %s", backend.name, exc)
+            continue
+        calls[backend] = max(1, min(100, int(batch_ms / max(once, 1e-3))))
+    samples: dict[BackendType, list[float]] = {backend: [] for backend in calls}
+    for _ in range(rounds):
+        for backend, n in calls.items():
+            samples[backend].append(_elapsed_ms(fns[backend], n, device) / n)
+    timings.update({backend: statistics.median(values) for backend, values in samples.items()})
+    return timings
 
 
 class AutoKernelDispatcher:
@@ -422,7 +444,10 @@ class AutoKernelDispatcher:
     backends: ClassVar[dict[BackendType, type[KernelBackend]]] = {}
     cache_capacity: ClassVar[int] = 1024
     warmup_iters: ClassVar[int] = 3
-    profile_iters: ClassVar[int] = 10
+    tune_rounds: ClassVar[int] = 5
+    tune_batch_ms: ClassVar[float] = 2.0
+    # A challenger must beat the op's default by this fraction to replace it, so noise never flips it.
+    tune_margin: ClassVar[float] = 0.01
     _cache: ClassVar[TuneCache]
     _last_selected: ClassVar[BackendType | None] = None
     _counts: ClassVar[Counter[BackendType]]
@@ -491,28 +516,21 @@ class AutoKernelDispatcher:
         candidates = [b for b, impl in cls.backends.items() if impl.autotune and impl.can_handle(**kwargs)]
         if not candidates:
             return None
-        timings: dict[BackendType, float] = {}
         if len(candidates) == 1:
-            timings[candidates[0]] = 0.0
+            timings = {candidates[0]: 0.0}
         else:
-            device = _first_device(kwargs)
             tuning = cls.tuning_kwargs(kwargs)
+            fns = {b: functools.partial(cls.backends[b].execute, **tuning) for b in candidates}
             with torch.no_grad():
-                for backend in candidates:
-                    impl = cls.backends[backend]
-                    try:
-                        timings[backend] = _median_ms(
-                            lambda impl=impl: impl.execute(**tuning),
-                            device,
-                            cls.warmup_iters,
-                            cls.profile_iters,
-                        )
-                    except Exception as exc:
-                        _log.debug("%s: autotune run of %s failed: %s", cls.op_name, backend.name, exc)
-                        timings[backend] = math.inf
+                timings = _time_candidates(
+                    fns, _first_device(kwargs), cls.warmup_iters, cls.tune_rounds, cls.tune_batch_ms
+                )
         best = min(timings, key=timings.__getitem__)
         if math.isinf(timings[best]):
             return None
+        default = cls.default_backend(**kwargs)
+        if default in timings and timings[best] > timings[default] * (1 - cls.tune_margin):
+            best = default
         cls._cache.put(key, best)
         _log.info(
             "%s autotune %s: %s -> %s",

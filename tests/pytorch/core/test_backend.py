@@ -268,3 +268,26 @@ def test_tune_cache_is_a_bounded_lru(caplog):
     assert len(cache) == 2
     assert cache.get("b") is None
     assert cache.get("a") is BackendType.TRITON and cache.get("c") is BackendType.CK
+
+
+@pytest.mark.parametrize(
+    "timings,winner",
+    [
+        ({BackendType.TORCH: 0.995, BackendType.TRITON: 1.0}, BackendType.TRITON),  # within margin: default
+        ({BackendType.TORCH: 0.90, BackendType.TRITON: 1.0}, BackendType.TORCH),  # clearly faster: challenger
+        ({BackendType.TORCH: 1.0, BackendType.TRITON: float("inf")}, BackendType.TORCH),  # default failed
+    ],
+)
+def test_autotune_keeps_default_unless_clearly_beaten(monkeypatch, timings, winner):
+    monkeypatch.setattr(backend_mod, "_time_candidates", lambda fns, *args: dict(timings))
+    assert _ToyDispatcher.resolve(BackendChoice(auto_tune=True), x=torch.ones(10)) is winner
+
+
+def test_time_candidates_marks_failures_inf():
+    def boom():
+        raise RuntimeError("kernel failed")
+
+    timings = backend_mod._time_candidates(
+        {BackendType.TORCH: lambda: None, BackendType.CK: boom}, torch.device("cpu"), 1, 3, 0.1
+    )
+    assert timings[BackendType.CK] == float("inf") and timings[BackendType.TORCH] < 1.0
