@@ -185,6 +185,22 @@ def timing_columns(prefix: str, shape: GemmShape, fwd_ms: float, bwd_ms: float) 
     }
 
 
+def time_against_peer(
+    turbo_op: Op, a: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, timer: Timer, rounds: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((turbo fwd, bwd), (peer fwd, bwd)) medians over ``rounds`` alternating peer/turbo measurements.
+
+    Alternating cancels clock and thermal drift that would otherwise favour whichever runs second.
+    """
+    turbo_times, peer_times = [], []
+    for _ in range(rounds):
+        peer_times.append(time_fwd_bwd(matmul_op, a, w, grad_out, timer))
+        turbo_times.append(time_fwd_bwd(turbo_op, a, w, grad_out, timer))
+    turbo = tuple(statistics.median(t[i] for t in turbo_times) for i in (0, 1))
+    peer = tuple(statistics.median(t[i] for t in peer_times) for i in (0, 1))
+    return turbo, peer
+
+
 def bench_shape(
     shape: GemmShape,
     backends: list[str],
@@ -194,25 +210,24 @@ def bench_shape(
     timer: Timer,
     env: Row,
 ) -> list[Row]:
-    """One row per backend label; the peer is timed once per shape unless ``--peer-per-backend``."""
+    """One row per backend label, each timed against torch.matmul in alternating rounds."""
     a, w, grad_out = make_inputs(shape, DTYPES[args.dtype], args.device)
-    peer: tuple[float, float] | None = None
     rows = []
     for label in backends:
         row: Row = {"Case": shape.model, "GEMM": shape.gemm, "MBS": shape.mbs, "M": shape.M, "N": shape.N}
         row.update(K=shape.K, Dtype=args.dtype, Backend=label, **env)
         try:
-            if peer is None or args.peer_per_backend:
-                peer = time_fwd_bwd(matmul_op, a, w, grad_out, timer)
-            row.update(timing_columns("Peer ", shape, *peer))
             configure(label)
             row["Check"], row["Rel err"], row["Error"], row["Selected"] = check_turbo(
                 turbo_op, a, w, grad_out
             )
-            fwd_ms, bwd_ms = time_fwd_bwd(turbo_op, a, w, grad_out, timer)
+            (fwd_ms, bwd_ms), (peer_fwd, peer_bwd) = time_against_peer(
+                turbo_op, a, w, grad_out, timer, args.rounds
+            )
             row.update(timing_columns("", shape, fwd_ms, bwd_ms))
-            row["Fwd ratio"] = peer[0] / fwd_ms
-            row["Bwd ratio"] = peer[1] / bwd_ms
+            row.update(timing_columns("Peer ", shape, peer_fwd, peer_bwd))
+            row["Fwd ratio"] = peer_fwd / fwd_ms
+            row["Bwd ratio"] = peer_bwd / bwd_ms
         except Exception as exc:  # report the row and keep benchmarking
             row["Check"] = "ERROR"
             row["Error"] = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
@@ -289,7 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-shards", type=int, default=1, help="split the shape list into this many shards")
     p.add_argument("--shard-id", type=int, default=0, help="shard to run, 0 <= id < --num-shards")
     p.add_argument(
-        "--peer-per-backend", action="store_true", help="re-time torch.matmul for every backend row"
+        "--rounds", type=int, default=3, help="alternating peer/turbo timing rounds per row (median)"
     )
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test with wall-clock timing"
