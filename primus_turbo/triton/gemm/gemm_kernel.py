@@ -40,6 +40,11 @@ def _tma_configs() -> list[triton.Config]:
             (128, 128, 64, 8, 5, 4, False),
             (128, 128, 128, 8, 3, 8, True),
             (64, 256, 64, 8, 4, 4, True),
+            # narrow N or M (MLA down-projections, small micro-batches): more tiles to fill the SMs
+            (128, 64, 64, 8, 5, 4, False),
+            (64, 128, 64, 8, 5, 4, False),
+            (64, 64, 64, 8, 6, 4, False),
+            # fp32 operands, and fp32 accumulation into an existing output
             (128, 128, 32, 8, 3, 8, True),
         ]
     return [
