@@ -30,6 +30,13 @@ def _op(t: torch.Tensor, trans: bool) -> torch.Tensor:
     return t.t() if trans else t
 
 
+def _mnk(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool) -> tuple[int, int, int]:
+    """(M, N, K) of ``op(a) @ op(b)``."""
+    m, k = (a.shape[1], a.shape[0]) if trans_a else (a.shape[0], a.shape[1])
+    n = b.shape[0] if trans_b else b.shape[1]
+    return m, n, k
+
+
 def _row_major(t: torch.Tensor, trans: bool) -> tuple[torch.Tensor, bool]:
     if t.is_contiguous():
         return t, trans
@@ -110,8 +117,7 @@ class TritonGemmBackend(KernelBackend):
     @staticmethod
     def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
         if out is None:
-            m = a.shape[1] if trans_a else a.shape[0]
-            n = b.shape[0] if trans_b else b.shape[1]
+            m, n, _ = _mnk(a, b, trans_a, trans_b)
             out = torch.empty((m, n), dtype=out_dtype, device=a.device)
         return gemm_triton(a, b, trans_a, trans_b, out, accumulate=accumulate)
 
@@ -128,9 +134,15 @@ class GemmDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def make_key(cls, a, b, trans_a, trans_b, out_dtype, accumulate=False, **_: Any) -> Hashable:
-        m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
-        n = b.shape[0] if trans_b else b.shape[1]
-        return (a.device.type, m, n, k, a.dtype, out_dtype, trans_a, trans_b, accumulate)
+        return (
+            a.device.type,
+            *_mnk(a, b, trans_a, trans_b),
+            a.dtype,
+            out_dtype,
+            trans_a,
+            trans_b,
+            accumulate,
+        )
 
     @classmethod
     def default_backend(cls, a, **_: Any) -> BackendType:
@@ -175,8 +187,7 @@ def gemm_impl(
 
 @gemm_impl.register_fake
 def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
-    m = a.shape[1] if trans_a else a.shape[0]
-    n = b.shape[0] if trans_b else b.shape[1]
+    m, n, _ = _mnk(a, b, trans_a, trans_b)
     return a.new_empty((m, n), dtype=out_dtype)
 
 
