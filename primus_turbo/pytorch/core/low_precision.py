@@ -78,6 +78,17 @@ def _require_enum(name: str, value: object, enum_cls: type[Enum]) -> None:
         raise TypeError(f"{name} must be a {enum_cls.__name__}, got {value!r}")
 
 
+def _require_config_enums(config: Float8QuantConfig | Float4QuantConfig) -> None:
+    """The enum-typed fields shared by the FP8 and FP4 configs."""
+    for name, enum_cls in (
+        ("format", Format),
+        ("granularity", ScalingGranularity),
+        ("strategy", ScalingStrategy),
+        ("scale_dtype", ScaleDtype),
+    ):
+        _require_enum(name, getattr(config, name), enum_cls)
+
+
 @dataclass(frozen=True)
 class Float8QuantConfig:
     """FP8 quantization: element format, scale granularity, strategy, scale dtype and block size."""
@@ -89,10 +100,7 @@ class Float8QuantConfig:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
-        _require_enum("format", self.format, Format)
-        _require_enum("granularity", self.granularity, ScalingGranularity)
-        _require_enum("strategy", self.strategy, ScalingStrategy)
-        _require_enum("scale_dtype", self.scale_dtype, ScaleDtype)
+        _require_config_enums(self)
         if self.format is Format.E2M1_X2:
             raise ValueError("Float8QuantConfig: format E2M1_X2 is FP4; use Float4QuantConfig")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
@@ -127,10 +135,7 @@ class Float4QuantConfig:
     use_preshuffle: bool = False
 
     def __post_init__(self) -> None:
-        _require_enum("format", self.format, Format)
-        _require_enum("granularity", self.granularity, ScalingGranularity)
-        _require_enum("strategy", self.strategy, ScalingStrategy)
-        _require_enum("scale_dtype", self.scale_dtype, ScaleDtype)
+        _require_config_enums(self)
         if self.format is not Format.E2M1_X2:
             raise ValueError("Float4QuantConfig: format must be E2M1_X2")
         if self.granularity is not ScalingGranularity.MX_BLOCKWISE:
