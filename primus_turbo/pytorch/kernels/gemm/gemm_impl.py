@@ -1,5 +1,7 @@
 """Dense GEMM custom ops ``primus_turbo::gemm`` / ``primus_turbo::gemm_accum`` and their backends.
 
+Backends take ``out=None`` (return a new product) or an ``out`` to accumulate into (``out += product``).
+
 Inputs reach the backends row-major: a column-major operand is passed as its transpose with the
 ``trans`` flag flipped, so no backend copies a transposed view.
 """
@@ -59,14 +61,10 @@ class TorchGemmBackend(KernelBackend):
     autotune = False
 
     @staticmethod
-    def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
+    def execute(a, b, trans_a, trans_b, out_dtype, out=None, **_: Any) -> torch.Tensor:
         compute = a.dtype if out_dtype == a.dtype else torch.float32
         result = torch.mm(_op(a, trans_a).to(compute), _op(b, trans_b).to(compute))
-        if out is None:
-            return result.to(out_dtype)
-        if accumulate:
-            return out.add_(result)
-        return out.copy_(result)
+        return result.to(out_dtype) if out is None else out.add_(result)
 
 
 class HipblasltGemmBackend(KernelBackend):
@@ -88,15 +86,14 @@ class HipblasltGemmBackend(KernelBackend):
         return reason
 
     @staticmethod
-    def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
+    def execute(a, b, trans_a, trans_b, out_dtype, out=None, **_: Any) -> torch.Tensor:
         lhs, rhs = _op(a, trans_a), _op(b, trans_b)
         widen = out_dtype != a.dtype
         if out is None:
             return torch.mm(lhs, rhs, out_dtype=out_dtype) if widen else torch.mm(lhs, rhs)
-        beta = 1 if accumulate else 0
         if widen:
-            return torch.addmm(out, lhs, rhs, out_dtype=out_dtype, beta=beta, out=out)
-        return torch.addmm(out, lhs, rhs, beta=beta, out=out)
+            return torch.addmm(out, lhs, rhs, out_dtype=out_dtype, out=out)
+        return torch.addmm(out, lhs, rhs, out=out)
 
 
 class TritonGemmBackend(KernelBackend):
@@ -115,11 +112,11 @@ class TritonGemmBackend(KernelBackend):
         return _common_unsupported(a, b, out_dtype)
 
     @staticmethod
-    def execute(a, b, trans_a, trans_b, out_dtype, out=None, accumulate=False, **_: Any) -> torch.Tensor:
-        if out is None:
-            m, n, _ = _mnk(a, b, trans_a, trans_b)
-            out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-        return gemm_triton(a, b, trans_a, trans_b, out, accumulate=accumulate)
+    def execute(a, b, trans_a, trans_b, out_dtype, out=None, **_: Any) -> torch.Tensor:
+        if out is not None:
+            return gemm_triton(a, b, trans_a, trans_b, out, accumulate=True)
+        m, n, _ = _mnk(a, b, trans_a, trans_b)
+        return gemm_triton(a, b, trans_a, trans_b, torch.empty((m, n), dtype=out_dtype, device=a.device))
 
 
 class GemmDispatcher(AutoKernelDispatcher):
@@ -133,7 +130,7 @@ class GemmDispatcher(AutoKernelDispatcher):
     }
 
     @classmethod
-    def make_key(cls, a, b, trans_a, trans_b, out_dtype, accumulate=False, **_: Any) -> Hashable:
+    def make_key(cls, a, b, trans_a, trans_b, out_dtype, out=None, **_: Any) -> Hashable:
         return (
             a.device.type,
             *_mnk(a, b, trans_a, trans_b),
@@ -141,7 +138,7 @@ class GemmDispatcher(AutoKernelDispatcher):
             out_dtype,
             trans_a,
             trans_b,
-            accumulate,
+            out is not None,
         )
 
     @classmethod
@@ -161,7 +158,7 @@ def last_selected_backend() -> BackendType | None:
     return GemmDispatcher.last_selected()
 
 
-def _gemm_call(a, b, trans_a, trans_b, out_dtype, out, accumulate) -> torch.Tensor:
+def _gemm_call(a, b, trans_a, trans_b, out_dtype, out) -> torch.Tensor:
     a, trans_a = _row_major(a, trans_a)
     b, trans_b = _row_major(b, trans_b)
     choice = GlobalBackendManager.get_gemm_backend(precision_of(a.dtype))
@@ -173,7 +170,6 @@ def _gemm_call(a, b, trans_a, trans_b, out_dtype, out, accumulate) -> torch.Tens
         trans_b=trans_b,
         out_dtype=out_dtype,
         out=out,
-        accumulate=accumulate,
     )
 
 
@@ -182,7 +178,7 @@ def gemm_impl(
     a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``op(a) @ op(b)`` as a new (M, N) tensor of ``out_dtype``."""
-    return _gemm_call(a, b, trans_a, trans_b, out_dtype, None, False)
+    return _gemm_call(a, b, trans_a, trans_b, out_dtype, None)
 
 
 @gemm_impl.register_fake
@@ -196,7 +192,7 @@ def gemm_accum_impl(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool
 ) -> None:
     """``out += op(a) @ op(b)`` in ``out``'s dtype (fp32 ``main_grad`` for fused wgrad accumulation)."""
-    _gemm_call(a, b, trans_a, trans_b, out.dtype, out, True)
+    _gemm_call(a, b, trans_a, trans_b, out.dtype, out)
 
 
 @gemm_accum_impl.register_fake
