@@ -61,6 +61,15 @@ def _tma_configs() -> list[triton.Config]:
 def _pointer_configs() -> list[triton.Config]:
     if interpreter_active():
         shapes = [(32, 32, 32, 4, 1, 4)]
+    elif torch.version.hip is not None:
+        # CDNA (gfx942/gfx950): large tiles, two LDS stages, 4-8 waves per block
+        shapes = [
+            (256, 256, 64, 8, 2, 8),
+            (256, 128, 64, 8, 2, 8),
+            (128, 128, 64, 8, 2, 4),
+            (128, 64, 64, 8, 2, 4),
+            (64, 64, 64, 8, 2, 4),
+        ]
     else:
         shapes = [
             (128, 256, 64, 8, 3, 8),
