@@ -18,6 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
     kernel_autotune_enabled,
+    max_shared_memory,
     num_sms,
     supports_tma,
 )
@@ -84,7 +85,7 @@ def _pointer_configs() -> list[triton.Config]:
     ]
 
 
-_SMEM_BUDGET = 220 * 1024  # Hopper allows 227 KB of dynamic shared memory per block
+_SMEM_SLACK = 1024  # barriers and alignment the estimate below does not count
 
 
 def _smem_bytes(config: triton.Config, in_bytes: int, out_bytes: int, accumulate: bool) -> int:
@@ -105,8 +106,9 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: obj
     )
     a, out = (t.base if isinstance(t, TensorDescriptor) else t for t in (a, out))
     accumulate = bool(kwargs.get("ACCUMULATE"))
+    budget = max_shared_memory(out.device) - _SMEM_SLACK
     fitting = [
-        c for c in configs if _smem_bytes(c, a.element_size(), out.element_size(), accumulate) <= _SMEM_BUDGET
+        c for c in configs if _smem_bytes(c, a.element_size(), out.element_size(), accumulate) <= budget
     ]
     fitting = fitting or configs[-1:]
     return fitting if kernel_autotune_enabled() else fitting[:1]

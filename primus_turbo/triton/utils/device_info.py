@@ -7,7 +7,7 @@ import torch
 
 from primus_turbo.common.constants import ENV_TRITON_AUTOTUNE
 
-__all__ = ["interpreter_active", "kernel_autotune_enabled", "num_sms", "supports_tma"]
+__all__ = ["interpreter_active", "kernel_autotune_enabled", "max_shared_memory", "num_sms", "supports_tma"]
 
 
 def interpreter_active() -> bool:
@@ -30,6 +30,22 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_max_shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    # torch >= 2.5 reports it; older builds get the Hopper figure and rely on Triton's own resource check
+    return getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory (LDS on AMD) one block may use: 227 KB on Hopper, 64 KB on gfx942."""
+    if device.type == "cuda":
+        return _cuda_max_shared_memory(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+    return 1 << 30
 
 
 @functools.lru_cache(maxsize=None)
