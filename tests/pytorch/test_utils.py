@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["DEVICES", "compute_snr", "get_tolerances", "relative_error"]
+__all__ = ["DEVICES", "compute_snr", "get_tolerances"]
 
 _TOLERANCES = {
     torch.float32: 1e-4,
@@ -31,15 +31,6 @@ def compute_snr(reference: torch.Tensor, actual: torch.Tensor) -> float:
     reference = reference.double()
     noise = (reference - actual.double()).pow(2).sum()
     return (10 * torch.log10(reference.pow(2).sum() / (noise + 1e-12))).item()
-
-
-def relative_error(reference: torch.Tensor, actual: torch.Tensor) -> float:
-    """``|ref - x|_F / |ref|_F`` (0 when both are empty)."""
-    reference = reference.double()
-    denom = reference.norm()
-    if denom == 0:
-        return (actual.double() - reference).norm().item()
-    return ((actual.double() - reference).norm() / denom).item()
 
 
 def test_get_tolerances_gates():

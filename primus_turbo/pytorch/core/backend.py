@@ -308,10 +308,6 @@ class KernelBackend(ABC):
         return None
 
     @classmethod
-    def available(cls) -> bool:
-        return _cached_unavailable_reason(cls) is None
-
-    @classmethod
     def decline_reason(cls, **kwargs: Any) -> str | None:
         """Why this backend cannot run the call, or None when it can."""
         try:

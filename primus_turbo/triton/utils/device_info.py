@@ -6,6 +6,7 @@ import os
 import torch
 
 from primus_turbo.common.constants import ENV_TRITON_AUTOTUNE
+from primus_turbo.common.platform import is_hopper_or_newer
 
 __all__ = ["interpreter_active", "kernel_autotune_enabled", "max_shared_memory", "num_sms", "supports_tma"]
 
@@ -50,7 +51,7 @@ def max_shared_memory(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_has_tma(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return is_hopper_or_newer(index)
 
 
 def supports_tma(device: torch.device) -> bool:
