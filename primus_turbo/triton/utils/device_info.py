@@ -17,8 +17,9 @@ def interpreter_active() -> bool:
 
 
 def kernel_autotune_enabled() -> bool:
-    """False when ``PRIMUS_TURBO_TRITON_AUTOTUNE=0``: kernels keep only their first config."""
-    return os.environ.get(ENV_TRITON_AUTOTUNE, "1").strip() != "0"
+    """False under the interpreter (nothing to time) or with ``PRIMUS_TURBO_TRITON_AUTOTUNE=0``:
+    kernels then launch one config picked by a heuristic."""
+    return not interpreter_active() and os.environ.get(ENV_TRITON_AUTOTUNE, "1").strip() != "0"
 
 
 @functools.lru_cache(maxsize=None)
