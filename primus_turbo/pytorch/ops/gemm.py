@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
-from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accum_impl, gemm_impl
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accumulate, gemm_product
 
 __all__ = ["gemm"]
 
@@ -16,8 +16,8 @@ _ACCUM_PATTERNS = (None, "megatron")
 def _dgrad(grad_out, b, trans_a, trans_b, dtype):
     """Gradient of op(a) @ op(b) w.r.t. ``a``, in a's stored layout."""
     if trans_a:
-        return gemm_impl(b, grad_out, trans_b, True, dtype)
-    return gemm_impl(grad_out, b, False, not trans_b, dtype)
+        return gemm_product(b, grad_out, trans_b, True, dtype)
+    return gemm_product(grad_out, b, False, not trans_b, dtype)
 
 
 def _wgrad_operands(grad_out, a, trans_a, trans_b):
@@ -32,7 +32,7 @@ class _GemmFunction(torch.autograd.Function):
     def forward(ctx, a, b, trans_a, trans_b, out_dtype, accum_pattern):
         ctx.save_for_backward(a, b)
         ctx.trans_a, ctx.trans_b, ctx.accum_pattern = trans_a, trans_b, accum_pattern
-        return gemm_impl(a, b, trans_a, trans_b, out_dtype)
+        return gemm_product(a, b, trans_a, trans_b, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -44,12 +44,12 @@ class _GemmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             lhs, rhs, trans_lhs, trans_rhs = _wgrad_operands(grad_out, a, ctx.trans_a, ctx.trans_b)
             if ctx.accum_pattern == "megatron":
-                gemm_accum_impl(lhs, rhs, b.main_grad, trans_lhs, trans_rhs)
+                gemm_accumulate(lhs, rhs, b.main_grad, trans_lhs, trans_rhs)
                 b.grad_added_to_main_grad = True
                 make = torch.zeros if getattr(b, "zero_out_wgrad", False) else torch.empty
                 grad_b = make(b.shape, dtype=b.dtype, device=b.device)
             else:
-                grad_b = gemm_impl(lhs, rhs, trans_lhs, trans_rhs, b.dtype)
+                grad_b = gemm_product(lhs, rhs, trans_lhs, trans_rhs, b.dtype)
         return grad_a, grad_b, None, None, None, None
 
 
