@@ -5,6 +5,8 @@
 #   BENCH_SHARD=i/n     run shard i of n of the shape set (default 0/1)
 #   SKIP_TESTS=1        benchmark only
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
+#   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
+#   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -44,7 +46,9 @@ fi
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
   --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
-  -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_${SHAPES}.log" || status=1
+  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" \
+  -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" \
+  | tee "$OUT/bench_${SHAPES}_${BENCH_SHARD%/*}.log" || status=1
 if [ "${LAYOUTS:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_layouts \
     --shapes "$SHAPES" -o "$OUT/gemm_layouts_${SHAPES}.csv" 2>&1 | grep -v " INFO " \

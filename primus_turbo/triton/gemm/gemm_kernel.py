@@ -32,7 +32,11 @@ _TL_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp3
 
 def _tma_configs() -> list[triton.Config]:
     if interpreter_active():
-        shapes = [(32, 32, 32, 4, 1, 4, False, False), (32, 32, 32, 4, 1, 4, False, True)]
+        shapes = [
+            (32, 32, 32, 4, 1, 4, False, False),
+            (32, 32, 32, 4, 1, 4, False, True),
+            (32, 32, 32, 4, 1, 4, True, True),
+        ]
     else:
         shapes = [
             # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps, split epilogue, stream-K
@@ -250,6 +254,115 @@ def _mma_k_range(
     return acc
 
 
+@triton.jit
+def _add_partials(
+    acc,
+    partials_ptr,
+    flags_ptr,
+    pid,
+    seg_begin,
+    tile_begin,
+    first_iter,
+    per_sm,
+    extra,
+    col0,
+    offs,
+    TILE: tl.constexpr,
+    CONSUME: tl.constexpr,
+):
+    """Add, lowest program last, the partial tiles of the programs below ``pid`` that cover the start of
+    this tile (columns ``col0 + offs``), waiting for each one's flag; ``CONSUME`` resets the flag."""
+    peer = pid - 1
+    peer_begin = seg_begin
+    while peer_begin > tile_begin:
+        while tl.atomic_cas(flags_ptr + peer, 1, 0 if CONSUME else 1, sem="acquire") != 1:
+            pass
+        tl.debug_barrier()
+        acc += tl.load(partials_ptr + peer * TILE + col0 + offs, cache_modifier=".cg")
+        peer_begin = first_iter + peer * per_sm + tl.minimum(peer, extra)
+        peer -= 1
+    return acc
+
+
+@triton.jit
+def _owner_epilogue(
+    c_desc,
+    acc,
+    partials_ptr,
+    flags_ptr,
+    pid,
+    seg_begin,
+    tile_begin,
+    first_iter,
+    per_sm,
+    extra,
+    off_m,
+    off_n,
+    ACCUMULATE: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Finish a stream-K tile: add the other programs' partials and store. With a split epilogue the two
+    column halves are reduced one after the other, so a 128x256 tile never holds two full fp32 tiles in
+    registers."""
+    tile = BLOCK_M * BLOCK_N
+    if EPILOGUE_SPLIT:
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        acc_lo, acc_hi = tl.split(halves)
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N // 2)[None, :]
+        acc_lo = _add_partials(
+            acc_lo,
+            partials_ptr,
+            flags_ptr,
+            pid,
+            seg_begin,
+            tile_begin,
+            first_iter,
+            per_sm,
+            extra,
+            0,
+            offs,
+            tile,
+            False,
+        )
+        _store_tile(c_desc, acc_lo, off_m, off_n, ACCUMULATE)
+        acc_hi = _add_partials(
+            acc_hi,
+            partials_ptr,
+            flags_ptr,
+            pid,
+            seg_begin,
+            tile_begin,
+            first_iter,
+            per_sm,
+            extra,
+            BLOCK_N // 2,
+            offs,
+            tile,
+            True,
+        )
+        _store_tile(c_desc, acc_hi, off_m, off_n + BLOCK_N // 2, ACCUMULATE)
+    else:
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        acc = _add_partials(
+            acc,
+            partials_ptr,
+            flags_ptr,
+            pid,
+            seg_begin,
+            tile_begin,
+            first_iter,
+            per_sm,
+            extra,
+            0,
+            offs,
+            tile,
+            True,
+        )
+        _store_tile(c_desc, acc, off_m, off_n, ACCUMULATE)
+
+
 @triton.autotune(
     configs=_tma_configs(),
     key=["M", "N", "K", "TRANS_A", "TRANS_B", "ACCUMULATE", "DTYPES"],
@@ -352,18 +465,24 @@ def _gemm_tma_persistent_kernel(
                 tl.debug_barrier()
                 tl.atomic_xchg(flags_ptr + pid, 1, sem="release")
             else:
-                peer = pid - 1
-                peer_begin = seg_begin
-                while peer_begin > tile_begin:
-                    while tl.atomic_cas(flags_ptr + peer, 1, 0, sem="acquire") != 1:
-                        pass
-                    tl.debug_barrier()
-                    acc += tl.load(
-                        partials_ptr + peer * BLOCK_M * BLOCK_N + partial_offs, cache_modifier=".cg"
-                    )
-                    peer_begin = first_iter + peer * per_sm + tl.minimum(peer, extra)
-                    peer -= 1
-                _epilogue(c_desc, acc, off_m, off_n, ACCUMULATE, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+                _owner_epilogue(
+                    c_desc,
+                    acc,
+                    partials_ptr,
+                    flags_ptr,
+                    pid,
+                    seg_begin,
+                    tile_begin,
+                    first_iter,
+                    per_sm,
+                    extra,
+                    off_m,
+                    off_n,
+                    ACCUMULATE,
+                    EPILOGUE_SPLIT,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
             it = seg_begin
 
 
@@ -451,10 +570,25 @@ def _unused_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+_stream_k_state: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _stream_k_buffers(device: torch.device, sms: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-SM fp32 partial tiles and zeroed ready flags (the kernel resets every flag it consumes)."""
-    partials = torch.empty(sms * _MAX_PARTIAL_TILE, dtype=torch.float32, device=device)
-    return partials, torch.zeros(sms, dtype=torch.int32, device=device)
+    """Per-SM fp32 partial tiles and zeroed ready flags.
+
+    The kernel resets every flag it consumes, so one pair per (device, stream) serves every launch in
+    stream order. During CUDA-graph capture a fresh pair is made instead: its zero-fill is part of the
+    graph, and a buffer first filled inside a capture would hold garbage outside it.
+    """
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buffers = None if capturing else _stream_k_state.get((device, stream))
+    if buffers is None:
+        partials = torch.empty(sms * _MAX_PARTIAL_TILE, dtype=torch.float32, device=device)
+        buffers = (partials, torch.zeros(sms, dtype=torch.int32, device=device))
+        if not capturing:
+            _stream_k_state[(device, stream)] = buffers
+    return buffers
 
 
 def _persistent_programs(m: int, n: int, sms: int, meta: dict) -> int:
