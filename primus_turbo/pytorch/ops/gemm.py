@@ -109,4 +109,6 @@ def gemm(
     as Megatron's gradient-accumulation fusion expects.
     """
     out_dtype = _check_gemm_args(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern)
-    return _GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern)
+    return gemm_product(a, b, trans_a, trans_b, out_dtype)
