@@ -7,6 +7,7 @@
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
+#   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -44,9 +45,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
+timeout 120 .venv/bin/python -m benchmark.ops.training.bench_gemm_overhead 2>&1 | tee "$OUT/overhead.log" || status=1
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
   --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
-  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" \
+  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" ${SKIP_CSV:+--skip-csv "$SKIP_CSV"} \
   -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" \
   | tee "$OUT/bench_${SHAPES}_${BENCH_SHARD%/*}.log" || status=1
 if [ "${LAYOUTS:-0}" = 1 ]; then

@@ -315,6 +315,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated BackendType names; AUTO = autotune over all eligible backends",
     )
     p.add_argument("-o", "--output", default="bench_gemm_turbo.csv", help="CSV path")
+    p.add_argument(
+        "--skip-csv", default=None, help="skip the shapes an earlier CSV already has (resume a cut-off run)"
+    )
     p.add_argument("--num-shards", type=int, default=1, help="split the shape list into this many shards")
     p.add_argument("--shard-id", type=int, default=0, help="shard to run, 0 <= id < --num-shards")
     p.add_argument(
@@ -335,7 +338,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     backends = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
     turbo_op, configure = load_turbo(backends)
-    shapes = gemm_shape_set(args.shapes)[args.shard_id :: args.num_shards]
+    shapes = gemm_shape_set(args.shapes)
+    if args.skip_csv:
+        with open(args.skip_csv, newline="") as f:
+            done = {(int(r["M"]), int(r["N"]), int(r["K"])) for r in csv.DictReader(f)}
+        shapes = [s for s in shapes if (s.M, s.N, s.K) not in done]
+    shapes = shapes[args.shard_id :: args.num_shards]
     timer = cpu_timer if args.device == "cpu" else cuda_timer
     env = {"Platform": platform_name(args.device), "Torch": torch.__version__, "Triton": triton.__version__}
     LOG.info("%d shapes x %d backends on %s, %s", len(shapes), len(backends), env["Platform"], args.dtype)
