@@ -1,0 +1,284 @@
+"""FP8 quantization custom ops ``primus_turbo::quantize_fp8`` / ``dequantize_fp8`` /
+``quantize_fp8_with_trans``: Triton kernels on GPUs (and under the interpreter), and the TORCH
+reference that defines the numerics (see ``primus_turbo/triton/quantization/fp8_quant_kernel.py``).
+
+Arguments cross the op boundary as plain values: ``granularity`` is ``ScalingGranularity.value``,
+``block_size`` 0 means none, ``axis`` is a non-negative dimension (ignored where it does not apply).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.triton.quantization import quantize_fp8_groups_triton, scale_cast_fp8_triton
+from primus_turbo.triton.utils.device_info import interpreter_active
+
+__all__ = [
+    "FP8_DTYPES",
+    "dequantize_fp8_impl",
+    "mx_emax",
+    "quantize_fp8_impl",
+    "quantize_fp8_reference",
+    "quantize_fp8_with_trans_impl",
+    "quantize_fp8_with_trans_reference",
+    "scale_inv_shape",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_TENSORWISE = ScalingGranularity.TENSORWISE.value
+_ROWWISE = ScalingGranularity.ROWWISE.value
+_BLOCKWISE = ScalingGranularity.BLOCKWISE.value
+_MX = ScalingGranularity.MX_BLOCKWISE.value
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def mx_emax(dtype: torch.dtype) -> int:
+    """Largest power-of-two exponent of an element format (8 for E4M3, 15 for E5M2, 7 for E4M3FNUZ)."""
+    return math.floor(math.log2(torch.finfo(dtype).max))
+
+
+class _Groups(NamedTuple):
+    """How a quantization maps onto 2-D groups: the dimension that holds the groups (moved last),
+    and the group shape (rows x cols; cols 0 = the whole row)."""
+
+    axis: int
+    rows: int
+    cols: int
+
+
+def _groups(shape: torch.Size, granularity: int, block_size: int, axis: int, block_2d: bool) -> _Groups:
+    if granularity == _ROWWISE:
+        return _Groups(axis, 1, 0)
+    if granularity == _BLOCKWISE and block_2d:
+        return _Groups(len(shape) - 1, block_size, block_size)
+    return _Groups(axis, 1, block_size)
+
+
+def scale_inv_shape(
+    shape: torch.Size, granularity: int, block_size: int, axis: int, block_2d: bool
+) -> tuple[int, ...]:
+    """Shape of ``scale_inv``: () tensorwise; otherwise ``shape`` with each grouped dimension replaced
+    by its number of groups (1 for row-wise)."""
+    if granularity == _TENSORWISE:
+        return ()
+    groups = _groups(shape, granularity, block_size, axis, block_2d)
+    out = list(shape)
+    out[groups.axis] = 1 if groups.cols == 0 else -(-shape[groups.axis] // groups.cols)
+    if groups.rows > 1:
+        out[-2] = -(-shape[-2] // groups.rows)
+    return tuple(out)
+
+
+def _scale_dtype(granularity: int) -> torch.dtype:
+    return torch.float8_e8m0fnu if granularity == _MX else torch.float32
+
+
+def _use_triton(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Triton on GPUs and under the interpreter; the FNUZ types only exist in Triton on ROCm."""
+    if out_dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) and torch.version.hip is None:
+        return False
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+
+
+def _scales_from_amax(
+    amax: torch.Tensor, fp8_dtype: torch.dtype, mx: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(multiplier for x, stored scale_inv) from group amax values; see the module docstring rules."""
+    finite = torch.isfinite(amax)
+    if mx:
+        exponent = torch.frexp(amax).exponent - 1 - mx_emax(fp8_dtype)
+        exponent = torch.where(amax > 0, exponent, 0).clamp(-127, 127)
+        exponent = torch.where(finite, exponent, 0)
+        multiplier = torch.exp2(-exponent.float())
+        stored = torch.where(finite, torch.exp2(exponent.float()), torch.nan).to(torch.float8_e8m0fnu)
+        return multiplier, stored
+    # tensor / tensor divisions: ``scalar / tensor`` is a reciprocal times the scalar in torch, which
+    # rounds differently from the kernels' correctly rounded division
+    fp8_max = torch.full_like(amax, torch.finfo(fp8_dtype).max)
+    multiplier = torch.where(amax > 0, (fp8_max / amax).clamp(max=_FP32_MAX), 1.0)
+    multiplier = torch.where(finite, multiplier, 1.0)
+    return multiplier, torch.where(finite, torch.ones_like(multiplier) / multiplier, torch.nan)
+
+
+def _saturate_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    fp8_max = torch.finfo(fp8_dtype).max
+    return y.clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def _quantize_2d_reference(
+    x: torch.Tensor, fp8_dtype: torch.dtype, group_rows: int, group_cols: int, mx: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for the 2-D group kernel: pad to whole groups with zeros, reduce, scale, unpad."""
+    rows, cols = x.shape
+    group_cols = group_cols or max(cols, 1)
+    n_r, n_c = -(-rows // group_rows), -(-cols // group_cols)
+    padded = torch.zeros(n_r * group_rows, n_c * group_cols, dtype=torch.float32, device=x.device)
+    padded[:rows, :cols] = x
+    tiles = padded.view(n_r, group_rows, n_c, group_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    multiplier, stored = _scales_from_amax(amax, fp8_dtype, mx)
+    q = _saturate_cast(tiles * multiplier[:, None, :, None], fp8_dtype)
+    return q.view(n_r * group_rows, n_c * group_cols)[:rows, :cols], stored
+
+
+def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path) -> torch.Tensor:
+    """Quantize the 2-D view ``x`` into the 2-D view ``q``; returns the (n_r, n_c) scales."""
+    rows, cols = x.shape
+    group_cols = group_cols or max(cols, 1)
+    if not triton_path:
+        q_ref, scale = _quantize_2d_reference(x, fp8_dtype, group_rows, group_cols, mx)
+        q.copy_(q_ref)
+        return scale
+    shape = (-(-rows // group_rows), -(-cols // group_cols))
+    if mx:
+        scale = torch.empty(shape, dtype=torch.uint8, device=x.device)
+        quantize_fp8_groups_triton(x, q, scale, group_cols, group_rows, mx_emax(fp8_dtype))
+        return scale.view(torch.float8_e8m0fnu)
+    scale = torch.empty(shape, dtype=torch.float32, device=x.device)
+    quantize_fp8_groups_triton(x, q, scale, group_cols, group_rows)
+    return scale
+
+
+def _quantize(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: int,
+    block_size: int,
+    axis: int,
+    block_2d: bool,
+    triton_path: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if granularity == _TENSORWISE:
+        x = x.contiguous()
+        amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+        multiplier, scale_inv = _scales_from_amax(amax, out_dtype, mx=False)
+        if triton_path:
+            q = torch.empty_like(x, dtype=out_dtype)
+            scale_cast_fp8_triton(x, q, multiplier.reshape(1))
+        else:
+            q = _saturate_cast(x.float() * multiplier, out_dtype)
+        return q, scale_inv
+    groups = _groups(x.shape, granularity, block_size, axis, block_2d)
+    mx = granularity == _MX
+    moved = x.movedim(groups.axis, -1)
+    if x.dim() == 2 and groups.axis == 0:
+        q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        scale = _quantize_2d(moved, q.t(), out_dtype, groups.rows, groups.cols, mx, triton_path)
+        return q, scale.t()
+    x2d = moved.reshape(-1, moved.shape[-1])
+    q2d = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
+    scale = _quantize_2d(x2d, q2d, out_dtype, groups.rows, groups.cols, mx, triton_path)
+    if groups.rows > 1:
+        return q2d.view(x.shape), scale
+    q = q2d.view(moved.shape).movedim(-1, groups.axis).contiguous()
+    scale = scale.view(*moved.shape[:-1], scale.shape[-1]).movedim(-1, groups.axis)
+    return q, scale
+
+
+def quantize_fp8_reference(
+    x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, axis: int, block_2d: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TORCH path of ``quantize_fp8`` (the numerics every kernel must reproduce bit for bit)."""
+    return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, triton_path=False)
+
+
+def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
+    if granularity == _TENSORWISE or (granularity == _BLOCKWISE and block_2d):
+        q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
+        # copies, never views: a custom op's outputs must not alias each other
+        contiguous = torch.contiguous_format
+        return q, scale, q.t().clone(memory_format=contiguous), scale.t().clone(memory_format=contiguous)
+    q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
+    groups = _groups(x.shape, granularity, block_size, 1, block_2d)
+    q_t = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=x.device)
+    scale_t = _quantize_2d(x.t(), q_t, out_dtype, groups.rows, groups.cols, granularity == _MX, triton_path)
+    return q, scale, q_t, scale_t
+
+
+def quantize_fp8_with_trans_reference(
+    x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, block_2d: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The TORCH path of ``quantize_fp8_with_trans``."""
+    return _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path=False)
+
+
+@torch.library.custom_op("primus_turbo::quantize_fp8", mutates_args=())
+def quantize_fp8_impl(
+    x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, axis: int, block_2d: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv)`` of ``x``; see ``ops.quantization.quantize_fp8``."""
+    return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, _use_triton(x, out_dtype))
+
+
+@quantize_fp8_impl.register_fake
+def _quantize_fp8_fake(x, out_dtype, granularity, block_size, axis, block_2d):
+    shape = scale_inv_shape(x.shape, granularity, block_size, axis, block_2d)
+    dtype = _scale_dtype(granularity)
+    q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if granularity == _TENSORWISE:
+        return q, x.new_empty(shape, dtype=dtype)
+    groups = _groups(x.shape, granularity, block_size, axis, block_2d)
+    if groups.axis == x.dim() - 1:
+        return q, x.new_empty(shape, dtype=dtype)
+    # groups along another dimension are computed with that dimension last, then moved back
+    moved = [n for i, n in enumerate(shape) if i != groups.axis] + [shape[groups.axis]]
+    return q, x.new_empty(moved, dtype=dtype).movedim(-1, groups.axis)
+
+
+@torch.library.custom_op("primus_turbo::quantize_fp8_with_trans", mutates_args=())
+def quantize_fp8_with_trans_impl(
+    x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, block_2d: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-wise ``(q, scale_inv)`` of ``x`` (M, K) and column-wise ones stored as (K, M)."""
+    return _with_trans(x, out_dtype, granularity, block_size, block_2d, _use_triton(x, out_dtype))
+
+
+@quantize_fp8_with_trans_impl.register_fake
+def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2d):
+    m, k = x.shape
+    dtype = _scale_dtype(granularity)
+    row_scale = scale_inv_shape(x.shape, granularity, block_size, 1, block_2d)
+    col_scale = scale_inv_shape(torch.Size((k, m)), granularity, block_size, 1, block_2d)
+    return (
+        x.new_empty((m, k), dtype=out_dtype),
+        x.new_empty(row_scale, dtype=dtype),
+        x.new_empty((k, m), dtype=out_dtype),
+        x.new_empty(col_scale, dtype=dtype),
+    )
+
+
+def _expand_scale(
+    scale: torch.Tensor, shape: torch.Size, granularity: int, block_size: int, axis: int, block_2d: bool
+):
+    scale = scale.float()
+    if granularity in (_TENSORWISE, _ROWWISE):
+        return scale
+    groups = _groups(shape, granularity, block_size, axis, block_2d)
+    scale = scale.repeat_interleave(groups.cols, dim=groups.axis).narrow(groups.axis, 0, shape[groups.axis])
+    if groups.rows > 1:
+        scale = scale.repeat_interleave(groups.rows, dim=-2).narrow(-2, 0, shape[-2])
+    return scale
+
+
+@torch.library.custom_op("primus_turbo::dequantize_fp8", mutates_args=())
+def dequantize_fp8_impl(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: int,
+    block_size: int,
+    axis: int,
+    block_2d: bool,
+) -> torch.Tensor:
+    """``q * scale_inv`` (scales expanded over their groups) in ``out_dtype``."""
+    scale = _expand_scale(scale_inv, q.shape, granularity, block_size, axis, block_2d)
+    return (q.float() * scale).to(out_dtype)
+
+
+@dequantize_fp8_impl.register_fake
+def _dequantize_fp8_fake(q, scale_inv, out_dtype, granularity, block_size, axis, block_2d):
+    return torch.empty(q.shape, dtype=out_dtype, device=q.device)

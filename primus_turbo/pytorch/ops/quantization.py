@@ -1,0 +1,161 @@
+"""FP8 quantization: ``quantize_fp8``, ``dequantize_fp8`` and ``quantize_fp8_with_trans``.
+
+Scale rules, shared by every backend (the TORCH reference defines them bit for bit):
+
+- ``scale_inv`` is the dequantization multiplier: ``x ~= q.float() * scale_inv`` over each group.
+- A group's scale is ``fp8_max / amax`` (fp32, capped at the fp32 maximum); an all-zero group gets
+  scale 1, so nothing divides by zero.
+- MX_BLOCKWISE scales are powers of two stored as E8M0 (``torch.float8_e8m0fnu``):
+  ``2 ** (floor(log2(amax)) - emax)``, with ``emax`` the element format's largest exponent (8 for E4M3,
+  15 for E5M2), clamped to [2**-127, 2**127].
+- Values beyond the FP8 range saturate to +-fp8_max (scaled values can only exceed it through
+  rounding, and +-inf inputs).
+- A group that holds NaN or +-inf gets ``scale_inv = NaN`` (the E8M0 NaN code for MX), so anything
+  computed from it is NaN instead of a finite, silently wrong number. Its elements are stored with
+  scale 1: finite values saturate, NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
+from primus_turbo.pytorch.core.validation import check_dtype, check_tensor
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    FP8_DTYPES,
+    dequantize_fp8_impl,
+    quantize_fp8_impl,
+    quantize_fp8_with_trans_impl,
+)
+
+__all__ = ["dequantize_fp8", "quantize_fp8", "quantize_fp8_with_trans"]
+
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCK_SIZES = (16, 32, 64, 128, 256)
+_MX_BLOCK = 32
+
+
+def _check_axis(axis: int | None, ndim: int, granularity: ScalingGranularity) -> int:
+    if axis is None:
+        raise ValueError(f"{granularity.name} needs axis: the dimension whose elements share a scale")
+    if not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis must be an int in [{-ndim}, {ndim}), got {axis!r}")
+    return axis % ndim
+
+
+def _resolve(
+    shape: torch.Size,
+    granularity: ScalingGranularity,
+    block_size: int | None,
+    axis: int | None,
+    scaling_recipe: ScalingRecipe | None,
+) -> tuple[int, int, bool]:
+    """Validated ``(block_size, axis, block_2d)`` as the custom ops take them (0 = none)."""
+    if not isinstance(granularity, ScalingGranularity):
+        raise TypeError(f"granularity must be a ScalingGranularity, got {granularity!r}")
+    if scaling_recipe is not None and not isinstance(scaling_recipe, ScalingRecipe):
+        raise TypeError(f"scaling_recipe must be a ScalingRecipe or None, got {scaling_recipe!r}")
+    recipe = scaling_recipe or ScalingRecipe()
+    if recipe.use_sr or recipe.use_rht:
+        raise ValueError("stochastic rounding and the Hadamard transform apply to FP4, not FP8 quantization")
+    block_2d = recipe.use_2d_block
+    ndim = len(shape)
+    if granularity is ScalingGranularity.TENSORWISE:
+        if block_size is not None or axis is not None or block_2d:
+            raise ValueError("TENSORWISE takes no block_size, axis or 2-D block recipe")
+        return 0, 0, False
+    if granularity is ScalingGranularity.ROWWISE:
+        if block_size is not None or block_2d:
+            raise ValueError("ROWWISE takes no block_size or 2-D block recipe")
+        return 0, _check_axis(axis, ndim, granularity), False
+    if granularity is ScalingGranularity.MX_BLOCKWISE:
+        if block_size not in (None, _MX_BLOCK) or block_2d:
+            raise ValueError(f"MX_BLOCKWISE uses 1-D blocks of {_MX_BLOCK}, got block_size={block_size!r}")
+        axis = _check_axis(axis, ndim, granularity)
+        if shape[axis] % _MX_BLOCK:
+            raise ValueError(f"MX_BLOCKWISE needs dimension {axis} ({shape[axis]}) to be a multiple of 32")
+        return _MX_BLOCK, axis, False
+    if block_size not in _BLOCK_SIZES:
+        raise ValueError(f"BLOCKWISE needs block_size in {_BLOCK_SIZES}, got {block_size!r}")
+    if block_2d:
+        if axis is not None or ndim != 2:
+            raise ValueError("2-D block scaling takes a 2-D tensor (a weight) and no axis")
+        return block_size, 1, True
+    return block_size, _check_axis(axis, ndim, granularity), False
+
+
+def _check_input(x: torch.Tensor, out_dtype: torch.dtype) -> None:
+    check_tensor("x", x)
+    check_dtype("x.dtype", x.dtype, _HIGH_PRECISION)
+    check_dtype("out_dtype", out_dtype, FP8_DTYPES)
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: ScalingGranularity,
+    *,
+    block_size: int | None = None,
+    axis: int | None = None,
+    scaling_recipe: ScalingRecipe | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (fp32/bf16/fp16) to ``out_dtype`` (an FP8 dtype); returns ``(q, scale_inv)``.
+
+    - TENSORWISE: one scale; ``scale_inv`` is a 0-d fp32 tensor.
+    - ROWWISE: one scale per slice along ``axis`` (the dimension that shares a scale); ``scale_inv``
+      has ``x``'s shape with ``axis`` reduced to 1.
+    - BLOCKWISE: blocks of ``block_size`` along ``axis`` (1 x 128 for activations), or with
+      ``ScalingRecipe(use_2d_block=True)`` ``block_size x block_size`` tiles of a 2-D weight; partial
+      edge blocks are allowed. ``scale_inv`` holds one fp32 value per block.
+    - MX_BLOCKWISE: blocks of 32 along ``axis`` with E8M0 power-of-two scales.
+
+    ``q`` is contiguous with ``x``'s shape. See the module docstring for zeros, saturation and NaN/inf.
+    """
+    _check_input(x, out_dtype)
+    block, dim, block_2d = _resolve(x.shape, granularity, block_size, axis, scaling_recipe)
+    return quantize_fp8_impl(x, out_dtype, granularity.value, block, dim, block_2d)
+
+
+def dequantize_fp8(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: ScalingGranularity,
+    *,
+    block_size: int | None = None,
+    axis: int | None = None,
+    scaling_recipe: ScalingRecipe | None = None,
+) -> torch.Tensor:
+    """``q * scale_inv`` in ``out_dtype``, with the arguments ``quantize_fp8`` was given."""
+    check_tensor("q", q)
+    check_dtype("q.dtype", q.dtype, FP8_DTYPES)
+    check_tensor("scale_inv", scale_inv)
+    check_dtype("out_dtype", out_dtype, _HIGH_PRECISION)
+    block, dim, block_2d = _resolve(q.shape, granularity, block_size, axis, scaling_recipe)
+    return dequantize_fp8_impl(q, scale_inv, out_dtype, granularity.value, block, dim, block_2d)
+
+
+def quantize_fp8_with_trans(
+    x: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: ScalingGranularity,
+    *,
+    block_size: int | None = None,
+    scaling_recipe: ScalingRecipe | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both quantized copies a GEMM's forward and backward need, from a 2-D ``x`` (M, K).
+
+    Returns ``(q, scale_inv, q_t, scale_inv_t)``: ``q`` is ``x`` quantized along K (axis 1), ``q_t`` is
+    ``x`` quantized along M and stored transposed as a contiguous (K, M) tensor, so the wgrad GEMM
+    reads it row-major. Tensorwise and 2-D block scales do not depend on the direction: ``q_t`` is
+    then ``q`` transposed and ``scale_inv_t`` the transposed scales.
+    """
+    _check_input(x, out_dtype)
+    check_tensor("x", x, dim=2)
+    axis = None if granularity is ScalingGranularity.TENSORWISE else 1
+    if scaling_recipe is not None and scaling_recipe.use_2d_block:
+        axis = None
+    block, _, block_2d = _resolve(x.shape, granularity, block_size, axis, scaling_recipe)
+    if granularity is ScalingGranularity.MX_BLOCKWISE and x.shape[0] % _MX_BLOCK:
+        raise ValueError(f"MX_BLOCKWISE with_trans needs M ({x.shape[0]}) to be a multiple of 32")
+    return quantize_fp8_with_trans_impl(x, out_dtype, granularity.value, block, block_2d)

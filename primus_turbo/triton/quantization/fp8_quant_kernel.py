@@ -1,0 +1,172 @@
+"""FP8 quantization with one scale per group of elements, in Triton.
+
+The launchers take a 2-D view ``x`` (R, C) whose last dimension holds the groups: a whole row
+(row-wise scaling), ``1 x B`` blocks (activations), ``B x B`` blocks (weights) or MX blocks of 32
+with power-of-two E8M0 scales. Any strides work, so a column-wise quantization is the same launch on
+the transposed view. Scale rules (shared with the TORCH reference in ``kernels/quantization``):
+
+- ``scale = fp8_max / amax`` (capped at the fp32 maximum), ``scale = 1`` for an all-zero group;
+- a group holding NaN or +-inf gets ``scale_inv = NaN`` (E8M0: the NaN code 0xFF), so whatever is
+  computed from it is NaN rather than silently finite; its elements are scaled by 1;
+- ``q = clamp(x * scale, -fp8_max, fp8_max)`` rounded to nearest even; NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_fp8_groups_triton", "scale_cast_fp8_triton"]
+
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _group_scale(amax, bad, FP8_MAX: tl.constexpr, MX: tl.constexpr, MX_EMAX: tl.constexpr):
+    """(multiplier applied to x, stored scale) from a group's amax and non-finite count."""
+    if MX:
+        bits = amax.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        shared = tl.where(amax > 0, exp - MX_EMAX, 0)
+        shared = tl.minimum(tl.maximum(shared, -127), 127)
+        shared = tl.where(bad > 0, 0, shared)
+        multiplier = ((127 - shared) << 23).to(tl.float32, bitcast=True)
+        stored = tl.where(bad > 0, 255, shared + 127).to(tl.uint8)
+    else:
+        safe_amax = tl.where(amax > 0, amax, 1.0)
+        ratio = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), safe_amax)
+        multiplier = tl.where(amax > 0, tl.minimum(ratio, _FP32_MAX), 1.0)
+        multiplier = tl.where(bad > 0, 1.0, multiplier)
+        stored = tl.where(
+            bad > 0, float("nan"), tl.math.div_rn(tl.full(multiplier.shape, 1.0, tl.float32), multiplier)
+        )
+    return multiplier, stored
+
+
+@triton.jit
+def _saturate(y, FP8_MAX: tl.constexpr):
+    return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    C,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    stride_sr,
+    stride_sc,
+    GROUP_C,
+    FP8_MAX: tl.constexpr,
+    GROUP_R: tl.constexpr,
+    MX: tl.constexpr,
+    MX_EMAX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program: BLOCK_R rows x one column group. GROUP_R == 1 gives each row its own scale;
+    GROUP_R == BLOCK_R makes the whole BLOCK_R x GROUP_C tile one group (2-D blocks)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_ok = rows < R
+    c_begin = pid_c * GROUP_C
+    c_end = tl.minimum(c_begin + GROUP_C, C)
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+        mask = row_ok[:, None] & (cols < c_end)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        mag = tl.abs(x.to(tl.float32))
+        nonfinite = (mag != mag) | (mag == float("inf"))
+        bad += tl.sum(nonfinite.to(tl.int32), axis=1)
+        amax = tl.maximum(amax, tl.max(tl.where(nonfinite, 0.0, mag), axis=1))
+    if GROUP_R > 1:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32) + tl.max(amax, axis=0)
+        bad = tl.zeros([BLOCK_R], dtype=tl.int32) + tl.sum(bad, axis=0)
+    multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
+        mask = row_ok[:, None] & (cols < c_end)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        q = _saturate(x.to(tl.float32) * multiplier[:, None], FP8_MAX)
+        tl.store(
+            q_ptr + rows[:, None] * stride_qr + cols[None, :] * stride_qc,
+            q.to(q_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    if GROUP_R > 1:
+        first = tl.arange(0, BLOCK_R) == 0
+        s_offs = pid_r * stride_sr + pid_c * stride_sc + tl.zeros([BLOCK_R], dtype=tl.int64)
+        tl.store(s_ptr + s_offs, stored, mask=first)
+    else:
+        tl.store(s_ptr + rows * stride_sr + pid_c * stride_sc, stored, mask=row_ok)
+
+
+@triton.jit
+def _scale_cast_kernel(x_ptr, q_ptr, scale_ptr, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """q = saturate(x * scale) for a contiguous tensor and one scale read from device memory."""
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = offs < N
+    scale = tl.load(scale_ptr)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + offs, _saturate(x * scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8_groups_triton(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    group_cols: int,
+    group_rows: int = 1,
+    mx_emax: int | None = None,
+) -> None:
+    """Quantize the 2-D view ``x`` into ``q`` (same shape, any strides) with one scale per group.
+
+    Groups are ``group_rows x group_cols`` tiles along the last dimension (``group_cols = C`` for a
+    whole row). ``scale`` is (ceil(R / group_rows), ceil(C / group_cols)): fp32 ``scale_inv`` values,
+    or uint8 E8M0 exponents when ``mx_emax`` (the element format's largest exponent) is given.
+    """
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return
+    fp8_max = torch.finfo(q.dtype).max
+    block_c = min(triton.next_power_of_2(group_cols), 256 if group_rows == 1 else 128)
+    block_r = group_rows if group_rows > 1 else max(1, min(32, 4096 // block_c))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, group_cols))
+    _quantize_groups_kernel[grid](
+        x,
+        q,
+        scale,
+        rows,
+        cols,
+        *x.stride(),
+        *q.stride(),
+        *scale.stride(),
+        group_cols,
+        FP8_MAX=fp8_max,
+        GROUP_R=group_rows,
+        MX=mx_emax is not None,
+        MX_EMAX=mx_emax or 0,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=8 if block_r * block_c >= 8192 else 4,
+    )
+
+
+def scale_cast_fp8_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """``q = saturate(x * scale)`` elementwise for contiguous ``x``/``q`` and a one-element fp32 ``scale``."""
+    n = x.numel()
+    if n == 0:
+        return
+    block = 4096
+    _scale_cast_kernel[(triton.cdiv(n, block),)](
+        x, q, scale, n, FP8_MAX=torch.finfo(q.dtype).max, BLOCK=block, num_warps=8
+    )
