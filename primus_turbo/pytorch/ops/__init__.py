@@ -1,6 +1,12 @@
 """Public operators: ``primus_turbo.pytorch.ops.<op>``."""
 
 from primus_turbo.pytorch.ops.gemm import gemm
-from primus_turbo.pytorch.ops.quantization import dequantize_fp8, quantize_fp8, quantize_fp8_with_trans
+from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
+from primus_turbo.pytorch.ops.quantization import (
+    QuantizedTensor,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_with_trans,
+)
 
-__all__ = ["dequantize_fp8", "gemm", "quantize_fp8", "quantize_fp8_with_trans"]
+__all__ = ["QuantizedTensor", "dequantize_fp8", "gemm", "gemm_fp8", "quantize_fp8", "quantize_fp8_with_trans"]

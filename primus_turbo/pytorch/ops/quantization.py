@@ -17,6 +17,8 @@ Scale rules, shared by every backend (the TORCH reference defines them bit for b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
@@ -28,7 +30,7 @@ from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     quantize_fp8_with_trans_impl,
 )
 
-__all__ = ["dequantize_fp8", "quantize_fp8", "quantize_fp8_with_trans"]
+__all__ = ["QuantizedTensor", "dequantize_fp8", "quantize_fp8", "quantize_fp8_with_trans"]
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -159,3 +161,57 @@ def quantize_fp8_with_trans(
     if granularity is ScalingGranularity.MX_BLOCKWISE and x.shape[0] % _MX_BLOCK:
         raise ValueError(f"MX_BLOCKWISE with_trans needs M ({x.shape[0]}) to be a multiple of 32")
     return quantize_fp8_with_trans_impl(x, out_dtype, granularity.value, block, block_2d)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """An FP8 tensor with its ``scale_inv`` and the settings that made them (see ``quantize_fp8``).
+
+    Pass one to ``gemm_fp8`` to reuse a quantization (a cached FP8 weight, say); the GEMM never
+    differentiates through it.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    granularity: ScalingGranularity
+    block_size: int | None = None
+    axis: int | None = None
+    scaling_recipe: ScalingRecipe | None = None
+    orig_dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def quantize(
+        cls,
+        x: torch.Tensor,
+        dtype: torch.dtype,
+        granularity: ScalingGranularity,
+        *,
+        block_size: int | None = None,
+        axis: int | None = None,
+        scaling_recipe: ScalingRecipe | None = None,
+    ) -> QuantizedTensor:
+        """``quantize_fp8`` of ``x``, kept together with its settings."""
+        data, scale_inv = quantize_fp8(
+            x, dtype, granularity, block_size=block_size, axis=axis, scaling_recipe=scaling_recipe
+        )
+        return cls(data, scale_inv, granularity, block_size, axis, scaling_recipe, x.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def block_2d(self) -> bool:
+        return self.scaling_recipe is not None and self.scaling_recipe.use_2d_block
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision values ``data * scale_inv`` (in ``orig_dtype`` unless ``dtype`` is given)."""
+        return dequantize_fp8(
+            self.data,
+            self.scale_inv,
+            dtype or self.orig_dtype,
+            self.granularity,
+            block_size=self.block_size,
+            axis=self.axis,
+            scaling_recipe=self.scaling_recipe,
+        )

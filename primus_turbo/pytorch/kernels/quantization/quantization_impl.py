@@ -20,6 +20,7 @@ from primus_turbo.triton.utils.device_info import interpreter_active
 __all__ = [
     "FP8_DTYPES",
     "dequantize_fp8_impl",
+    "dequantize_fp8_reference",
     "mx_emax",
     "quantize_fp8_impl",
     "quantize_fp8_reference",
@@ -264,6 +265,20 @@ def _expand_scale(
     return scale
 
 
+def dequantize_fp8_reference(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: int,
+    block_size: int,
+    axis: int,
+    block_2d: bool,
+) -> torch.Tensor:
+    """``q * scale_inv`` with the scales expanded over their groups, in ``out_dtype``."""
+    scale = _expand_scale(scale_inv, q.shape, granularity, block_size, axis, block_2d)
+    return (q.float() * scale).to(out_dtype)
+
+
 @torch.library.custom_op("primus_turbo::dequantize_fp8", mutates_args=())
 def dequantize_fp8_impl(
     q: torch.Tensor,
@@ -275,8 +290,7 @@ def dequantize_fp8_impl(
     block_2d: bool,
 ) -> torch.Tensor:
     """``q * scale_inv`` (scales expanded over their groups) in ``out_dtype``."""
-    scale = _expand_scale(scale_inv, q.shape, granularity, block_size, axis, block_2d)
-    return (q.float() * scale).to(out_dtype)
+    return dequantize_fp8_reference(q, scale_inv, out_dtype, granularity, block_size, axis, block_2d)
 
 
 @dequantize_fp8_impl.register_fake

@@ -1,0 +1,201 @@
+"""FP8 GEMM custom ops ``primus_turbo::gemm_fp8`` / ``gemm_fp8_accum`` on quantized operands, and
+their backends.
+
+Both operands arrive in the NT layout the tensor cores want: ``a`` (M, K) and ``b`` (N, K) row-major
+FP8 with their ``scale_inv`` along K (the autograd code in ``ops.gemm_fp8`` arranges every forward,
+dgrad and wgrad GEMM that way from the quantized copies it keeps). The product is
+``(a * a_scale) @ (b * b_scale)^T``. Scales: a 0-d tensor (tensorwise), (rows, 1) (row-wise),
+(rows, K / block) (1-D blocks, MX in E8M0) or (rows / block, K / block) (2-D blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    PrecisionType,
+)
+from primus_turbo.pytorch.core.custom_op import direct_call_allowed
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import dequantize_fp8_reference
+
+__all__ = ["GemmFp8Dispatcher", "gemm_fp8_accumulate", "gemm_fp8_product"]
+
+_TENSORWISE = ScalingGranularity.TENSORWISE.value
+_ROWWISE = ScalingGranularity.ROWWISE.value
+_BLOCKWISE = ScalingGranularity.BLOCKWISE.value
+_MX = ScalingGranularity.MX_BLOCKWISE.value
+_SCALED_MM_BLOCK = 128
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, granularity: int, block_size: int, block_2d: bool):
+    return dequantize_fp8_reference(q, scale, torch.float32, granularity, block_size, 1, block_2d)
+
+
+class TorchGemmFp8Backend(KernelBackend):
+    """Dequantize both operands to fp32 and multiply: the reference, on any device."""
+
+    autotune = False
+
+    @staticmethod
+    def execute(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, out=None, **_: Any):
+        lhs = _dequantize(a, a_scale, granularity, block_size, a_2d)
+        rhs = _dequantize(b, b_scale, granularity, block_size, b_2d)
+        product = lhs @ rhs.t()
+        return product.to(out_dtype) if out is None else out.add_(product)
+
+
+class HipblasltGemmFp8Backend(KernelBackend):
+    """``torch._scaled_mm`` (cuBLASLt / hipBLASLt): tensorwise, row-wise, and 1 x 128 by 128 x 128 blocks."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not torch.cuda.is_available():
+            return "needs a CUDA or ROCm GPU"
+        return None
+
+    @classmethod
+    def unsupported_reason(cls, a, b, out_dtype, granularity, block_size, a_2d, b_2d, **_: Any) -> str | None:
+        if a.device.type != "cuda":
+            return f"needs GPU tensors, got {a.device}"
+        if a.shape[1] % 16 or b.shape[0] % 16:
+            return f"needs K and N to be multiples of 16, got K={a.shape[1]}, N={b.shape[0]}"
+        if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+            return "cannot multiply two E5M2 operands"
+        if granularity == _MX:
+            return "MX scaling needs FP8 MX tensor cores (gfx950 / Blackwell)"
+        if granularity == _ROWWISE and out_dtype != torch.bfloat16:
+            return f"row-wise scaling writes bf16 only, not {out_dtype}"
+        if granularity == _BLOCKWISE and (block_size != _SCALED_MM_BLOCK or a_2d or not b_2d):
+            return "block scaling needs 1 x 128 blocks on a and 128 x 128 blocks on b"
+        return None
+
+    @staticmethod
+    def execute(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, out=None, **_: Any):
+        if granularity == _ROWWISE:
+            scale_a, scale_b = a_scale, b_scale.t()
+        elif granularity == _BLOCKWISE:
+            # K-block-major activation scales and the transposed weight-block grid, as cuBLASLt reads them
+            scale_a, scale_b = a_scale.t().contiguous().t(), b_scale.t()
+        else:
+            scale_a, scale_b = a_scale, b_scale
+        dtype = out_dtype if out is None else torch.bfloat16 if granularity == _ROWWISE else out.dtype
+        product = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=dtype)
+        return product if out is None else out.add_(product)
+
+
+class GemmFp8Dispatcher(AutoKernelDispatcher):
+    """Backend choice for FP8 GEMM: the vendor ``_scaled_mm`` where it applies, else the reference."""
+
+    op_name = "gemm_fp8"
+    backends = {
+        BackendType.HIPBLASLT: HipblasltGemmFp8Backend,
+        BackendType.TORCH: TorchGemmFp8Backend,
+    }
+
+    @classmethod
+    def make_key(cls, a, b, out_dtype, granularity, block_size, a_2d, b_2d, out=None, **_: Any) -> Hashable:
+        return (
+            a.device.type,
+            a.shape[0],
+            b.shape[0],
+            a.shape[1],
+            a.dtype,
+            b.dtype,
+            out_dtype,
+            granularity,
+            block_size,
+            a_2d,
+            b_2d,
+            out is not None,
+        )
+
+    @classmethod
+    def default_backend(cls, a, **_: Any) -> BackendType:
+        return BackendType.HIPBLASLT if a.device.type == "cuda" else BackendType.TORCH
+
+    @classmethod
+    def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = kwargs.get("out")
+        return kwargs if out is None else {**kwargs, "out": torch.zeros_like(out)}
+
+
+def _call(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, out) -> torch.Tensor:
+    choice = GlobalBackendManager.get_gemm_backend(PrecisionType.FP8)
+    return GemmFp8Dispatcher.dispatch(
+        choice,
+        a=a,
+        a_scale=a_scale,
+        b=b,
+        b_scale=b_scale,
+        out_dtype=out_dtype,
+        granularity=granularity,
+        block_size=block_size,
+        a_2d=a_2d,
+        b_2d=b_2d,
+        out=out,
+    )
+
+
+@torch.library.custom_op("primus_turbo::gemm_fp8", mutates_args=())
+def gemm_fp8_impl(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    granularity: int,
+    block_size: int,
+    a_2d: bool,
+    b_2d: bool,
+) -> torch.Tensor:
+    """``(a * a_scale) @ (b * b_scale)^T`` as a new (M, N) tensor of ``out_dtype``."""
+    return _call(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, None)
+
+
+@gemm_fp8_impl.register_fake
+def _gemm_fp8_fake(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("primus_turbo::gemm_fp8_accum", mutates_args=("out",))
+def gemm_fp8_accum_impl(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor,
+    granularity: int,
+    block_size: int,
+    a_2d: bool,
+    b_2d: bool,
+) -> None:
+    """``out += (a * a_scale) @ (b * b_scale)^T`` (fp32 ``main_grad`` for fused wgrad accumulation)."""
+    _call(a, a_scale, b, b_scale, out.dtype, granularity, block_size, a_2d, b_2d, out)
+
+
+@gemm_fp8_accum_impl.register_fake
+def _gemm_fp8_accum_fake(a, a_scale, b, b_scale, out, granularity, block_size, a_2d, b_2d):
+    return None
+
+
+def gemm_fp8_product(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d) -> torch.Tensor:
+    """``primus_turbo::gemm_fp8``, with its body called directly where eager mode allows it."""
+    if direct_call_allowed(a, a_scale, b, b_scale):
+        return _call(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, None)
+    return gemm_fp8_impl(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d)
+
+
+def gemm_fp8_accumulate(a, a_scale, b, b_scale, out, granularity, block_size, a_2d, b_2d) -> None:
+    """``primus_turbo::gemm_fp8_accum``, with its body called directly where eager mode allows it."""
+    if direct_call_allowed(a, a_scale, b, b_scale, out):
+        _call(a, a_scale, b, b_scale, out.dtype, granularity, block_size, a_2d, b_2d, out)
+    else:
+        gemm_fp8_accum_impl(a, a_scale, b, b_scale, out, granularity, block_size, a_2d, b_2d)

@@ -1,0 +1,231 @@
+"""FP8 GEMM with autograd: ``gemm_fp8(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)``.
+
+Every GEMM of the step runs in the NT layout on FP8 copies quantized along its reduction dimension:
+
+- forward ``out = A @ B`` reads ``A`` (M, K) and ``B^T`` (N, K), both quantized along K;
+- dgrad ``dA = G @ B^T`` reads ``G`` (M, N) and ``B`` stored as (K, N), both quantized along N;
+- wgrad ``dB = A^T @ G`` reads ``G^T`` (N, M) and ``A^T`` (K, M), both quantized along M.
+
+``quantize_fp8_with_trans`` makes each operand's two copies in one pass, so backward reuses the
+forward's column-wise copies instead of quantizing again. Scaling roles per granularity:
+
+| granularity | activations and gradients | weights |
+| --- | --- | --- |
+| TENSORWISE | one scale | one scale |
+| ROWWISE | one scale per row along the reduction dimension | same |
+| BLOCKWISE | 1 x block along the reduction dimension | block x block tiles (used in both directions) |
+| MX_BLOCKWISE | 1 x 32, E8M0 | 1 x 32, E8M0 |
+
+``Format.HYBRID`` quantizes forward operands to E4M3 and gradients to E5M2.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingRecipe,
+    fp8_dtype_for,
+)
+from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
+from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_accumulate, gemm_fp8_product
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor, quantize_fp8, quantize_fp8_with_trans
+
+__all__ = ["gemm_fp8"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_G = ScalingGranularity
+
+
+class _Operand(NamedTuple):
+    """FP8 copies of one operand: along the forward reduction dimension, and along the other one."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    q_other: torch.Tensor | None
+    scale_other: torch.Tensor | None
+    block_2d: bool
+
+
+def _block(config: Float8QuantConfig) -> int:
+    return config.block_size or 0
+
+
+def _quantize_operand(
+    x: torch.Tensor, dtype: torch.dtype, config: Float8QuantConfig, weight: bool, other: bool
+):
+    """Quantize a logical (rows, K) operand along K, and along rows too when ``other``."""
+    block_2d = weight and config.granularity is _G.BLOCKWISE
+    recipe = ScalingRecipe(use_2d_block=True) if block_2d else None
+    block = config.block_size
+    if other:
+        q, s, q_t, s_t = quantize_fp8_with_trans(
+            x, dtype, config.granularity, block_size=block, scaling_recipe=recipe
+        )
+        return _Operand(q, s, q_t, s_t, block_2d)
+    axis = None if config.granularity is _G.TENSORWISE or block_2d else 1
+    q, s = quantize_fp8(x, dtype, config.granularity, block_size=block, axis=axis, scaling_recipe=recipe)
+    return _Operand(q, s, None, None, block_2d)
+
+
+def _prequantized_operand(
+    qt: QuantizedTensor, trans: bool, config: Float8QuantConfig, other: bool
+) -> _Operand:
+    """Copies of a ``QuantizedTensor`` whose logical (rows, K) view is ``data.t()`` when ``trans``.
+
+    Tensorwise and 2-D block scales serve both directions, so the other copy is a transposed copy.
+    Other scalings are quantized along the reduction dimension only; their other copy is
+    re-quantized from the dequantized values (a second rounding).
+    """
+    q, s = (qt.data.t(), qt.scale_inv.t()) if trans else (qt.data, qt.scale_inv)
+    q, s = q.contiguous(), s.contiguous()
+    direction_free = qt.granularity is _G.TENSORWISE or qt.block_2d
+    q_other = s_other = None
+    if other and direction_free:
+        q_other, s_other = q.t().contiguous(), s.t().contiguous()
+    elif other:
+        values = qt.dequantize(torch.float32)
+        values = values.t() if trans else values
+        q_other, s_other = quantize_fp8(
+            values.t(), qt.data.dtype, qt.granularity, block_size=qt.block_size, axis=1
+        )
+    return _Operand(q, s, q_other, s_other, qt.block_2d)
+
+
+def _operand(
+    x, trans: bool, dtype: torch.dtype, config: Float8QuantConfig, weight: bool, other: bool
+) -> _Operand:
+    """``x`` as stored -> copies of its logical (rows, K) form (``x.t()`` when ``trans``)."""
+    if isinstance(x, QuantizedTensor):
+        return _prequantized_operand(x, trans, config, other)
+    return _quantize_operand(x.t() if trans else x, dtype, config, weight, other)
+
+
+class _GemmFp8Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, trans_a, trans_b, out_dtype, config, accum_pattern):
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
+        # logical A (M, K) and B^T (N, K): b is (N, K) when trans_b, else (K, N)
+        lhs = _operand(a, trans_a, fwd_dtype, config, weight=False, other=need_b)
+        rhs = _operand(b, not trans_b, fwd_dtype, config, weight=True, other=need_a)
+        block = _block(config)
+        gran = config.granularity.value
+        out = gemm_fp8_product(
+            lhs.q, lhs.scale, rhs.q, rhs.scale, out_dtype, gran, block, False, rhs.block_2d
+        )
+        ctx.save_for_backward(lhs.q_other, lhs.scale_other, rhs.q_other, rhs.scale_other)
+        ctx.trans_a, ctx.trans_b, ctx.rhs_2d = trans_a, trans_b, rhs.block_2d
+        ctx.config, ctx.accum_pattern = config, accum_pattern
+        ctx.a_dtype = a.dtype if isinstance(a, torch.Tensor) else None
+        ctx.b = b if accum_pattern == "megatron" else None
+        ctx.b_dtype = b.dtype if isinstance(b, torch.Tensor) else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a_t, a_t_scale, b_t, b_t_scale = ctx.saved_tensors
+        config = ctx.config
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_dtype = fp8_dtype_for(config.format, is_forward=False)
+        gran, block = config.granularity.value, _block(config)
+        grad = _quantize_operand(grad_out, grad_dtype, config, weight=False, other=need_b)
+        grad_a = grad_b = None
+        if need_a:
+            # dA = G @ B from G (M, N) and B stored (K, N), both along N; a stored (K, M) gets dA^T
+            if ctx.trans_a:
+                grad_a = gemm_fp8_product(
+                    b_t, b_t_scale, grad.q, grad.scale, ctx.a_dtype, gran, block, ctx.rhs_2d, False
+                )
+            else:
+                grad_a = gemm_fp8_product(
+                    grad.q, grad.scale, b_t, b_t_scale, ctx.a_dtype, gran, block, False, ctx.rhs_2d
+                )
+        if need_b:
+            # dB = A^T @ G from G^T (N, M) and A^T (K, M), both along M
+            lhs, rhs = (grad.q_other, grad.scale_other), (a_t, a_t_scale)
+            if not ctx.trans_b:
+                lhs, rhs = rhs, lhs
+            if ctx.accum_pattern == "megatron":
+                b = ctx.b
+                gemm_fp8_accumulate(*lhs, *rhs, b.main_grad, gran, block, False, False)
+                b.grad_added_to_main_grad = True
+                make = torch.zeros if getattr(b, "zero_out_wgrad", False) else torch.empty
+                grad_b = make(b.shape, dtype=b.dtype, device=b.device)
+            else:
+                grad_b = gemm_fp8_product(*lhs, *rhs, ctx.b_dtype, gran, block, False, False)
+        return grad_a, grad_b, None, None, None, None, None
+
+
+def _check_operand(name: str, x) -> None:
+    if isinstance(x, QuantizedTensor):
+        check_tensor(f"{name}.data", x.data, dim=2)
+        return
+    check_tensor(name, x, dim=2)
+    check_dtype(f"{name}.dtype", x.dtype, _DTYPES)
+
+
+def _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern) -> torch.dtype:
+    _check_operand("a", a)
+    _check_operand("b", b)
+    if not isinstance(config, Float8QuantConfig):
+        raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
+    for name, flag in (("trans_a", trans_a), ("trans_b", trans_b)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    a_data = a.data if isinstance(a, QuantizedTensor) else a
+    b_data = b.data if isinstance(b, QuantizedTensor) else b
+    check_same_device(a=a_data, b=b_data)
+    m, k = (a.shape[1], a.shape[0]) if trans_a else (a.shape[0], a.shape[1])
+    k_b, n = (b.shape[1], b.shape[0]) if trans_b else (b.shape[0], b.shape[1])
+    if k != k_b:
+        raise ValueError(f"inner dimensions differ: op(a) is ({m}, {k}) and op(b) is ({k_b}, {n})")
+    granularity = config.granularity
+    if granularity is _G.BLOCKWISE and k % config.block_size:
+        raise ValueError(f"BLOCKWISE needs K ({k}) to be a multiple of block_size ({config.block_size})")
+    if granularity is _G.MX_BLOCKWISE and (m % 32 or n % 32 or k % 32):
+        raise ValueError(f"MX_BLOCKWISE needs M, N and K to be multiples of 32, got ({m}, {n}, {k})")
+    for name, x in (("a", a), ("b", b)):
+        if isinstance(x, QuantizedTensor) and x.granularity is not granularity:
+            raise ValueError(f"{name} was quantized {x.granularity.name}, but config is {granularity.name}")
+    if out_dtype is None:
+        hp = [x.dtype for x in (a, b) if isinstance(x, torch.Tensor)]
+        out_dtype = hp[0] if hp else a.orig_dtype
+    check_dtype("out_dtype", out_dtype, _DTYPES)
+    if fuse_bgrad_accum_pattern not in (None, "megatron"):
+        raise ValueError(
+            f"fuse_bgrad_accum_pattern must be None or 'megatron', got {fuse_bgrad_accum_pattern!r}"
+        )
+    if fuse_bgrad_accum_pattern == "megatron":
+        main_grad = getattr(b, "main_grad", None)
+        if not isinstance(b, torch.Tensor) or not isinstance(main_grad, torch.Tensor):
+            raise ValueError("fuse_bgrad_accum_pattern='megatron' needs a tensor b with b.main_grad")
+        if main_grad.shape != b.shape or not main_grad.is_contiguous():
+            raise ValueError(f"b.main_grad must be a contiguous tensor of b's shape {tuple(b.shape)}")
+    return out_dtype
+
+
+def gemm_fp8(
+    a: torch.Tensor | QuantizedTensor,
+    b: torch.Tensor | QuantizedTensor,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    out_dtype: torch.dtype | None = None,
+    config: Float8QuantConfig | None = None,
+    fuse_bgrad_accum_pattern: str | None = None,
+) -> torch.Tensor:
+    """``op(a) @ op(b)`` with FP8 operands, differentiable in high-precision ``a`` and ``b``.
+
+    ``a`` is (M, K), or (K, M) with ``trans_a``; ``b`` is (K, N), or (N, K) with ``trans_b``. Each may be
+    an fp16/bf16/fp32 tensor (quantized here with ``config``, default tensorwise E4M3) or a
+    ``QuantizedTensor`` quantized along K with the same granularity (not differentiated). ``out_dtype``
+    defaults to the high-precision input dtype. ``fuse_bgrad_accum_pattern="megatron"`` adds the weight
+    gradient into ``b.main_grad`` as Megatron's gradient-accumulation fusion expects.
+    """
+    config = Float8QuantConfig() if config is None else config
+    out_dtype = _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)
+    return _GemmFp8Function.apply(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)

@@ -1,0 +1,220 @@
+"""FP8 GEMM: forward and backward SNR against the fp32 reference for every granularity, format and
+layout; pre-quantized operands; fused wgrad accumulation; the op contract and bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
+from primus_turbo.pytorch.kernels.gemm import gemm_fp8_impl as impl
+from primus_turbo.pytorch.ops import QuantizedTensor, gemm_fp8, quantize_fp8
+from tests.pytorch.test_utils import DEVICES, compute_snr
+
+DEVICE = DEVICES[0]
+ON_GPU = DEVICE == "cuda"
+G = ScalingGranularity
+BLOCK = 128 if ON_GPU else 32
+
+
+def _config(granularity: ScalingGranularity, fmt: Format = Format.E4M3) -> Float8QuantConfig:
+    if granularity is G.BLOCKWISE:
+        return Float8QuantConfig(format=fmt, granularity=granularity, block_size=BLOCK)
+    if granularity is G.MX_BLOCKWISE:
+        return Float8QuantConfig(
+            format=fmt, granularity=granularity, block_size=32, scale_dtype=ScaleDtype.E8M0
+        )
+    return Float8QuantConfig(format=fmt, granularity=granularity)
+
+
+GRANULARITIES = list(G)
+LAYOUTS = list(itertools.product([False, True], repeat=2))
+SHAPES = [(64, 96, 128), (96, 32, 64)] + ([(4096, 4096, 4096), (2048, 576, 7168)] if ON_GPU else [])
+# SNR gates (dB): the output of E4M3 and HYBRID at 25, E5M2 at 20; gradients follow the format that
+# quantized the gradient: E5M2 under HYBRID
+OUT_GATE = {Format.E4M3: 25.0, Format.HYBRID: 25.0, Format.E5M2: 20.0}
+GRAD_GATE = {Format.E4M3: 25.0, Format.HYBRID: 20.0, Format.E5M2: 20.0}
+
+
+@pytest.fixture(autouse=True)
+def _reset_backends():
+    GlobalBackendManager.reset()
+    yield
+    GlobalBackendManager.reset()
+
+
+def _operands(m, n, k, trans_a, trans_b, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn((k, m) if trans_a else (m, k), generator=gen)
+    b = torch.randn((n, k) if trans_b else (k, n), generator=gen) * k**-0.5
+    grad = torch.randn(m, n, generator=gen)
+    return (
+        a.to(DEVICE, dtype).requires_grad_(),
+        b.to(DEVICE, dtype).requires_grad_(),
+        grad.to(DEVICE, dtype),
+    )
+
+
+def _reference(a, b, trans_a, trans_b, grad):
+    a32 = a.detach().float().requires_grad_()
+    b32 = b.detach().float().requires_grad_()
+    out = (a32.t() if trans_a else a32) @ (b32.t() if trans_b else b32)
+    out.backward(grad.float())
+    return out.detach(), a32.grad, b32.grad
+
+
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID, Format.E5M2], ids=lambda f: f.name.lower())
+@pytest.mark.parametrize("trans_a,trans_b", LAYOUTS, ids=["NN", "NT", "TN", "TT"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.name.lower())
+def test_forward_backward_snr(granularity, m, n, k, trans_a, trans_b, fmt):
+    if granularity is G.MX_BLOCKWISE and (m % 32 or n % 32 or k % 32):
+        pytest.skip("MX needs multiples of 32")
+    a, b, grad = _operands(m, n, k, trans_a, trans_b)
+    out = gemm_fp8(a, b, trans_a, trans_b, config=_config(granularity, fmt))
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    out.backward(grad)
+    ref_out, ref_a, ref_b = _reference(a, b, trans_a, trans_b, grad)
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    assert compute_snr(ref_out, out) >= OUT_GATE[fmt]
+    assert compute_snr(ref_a, a.grad) >= GRAD_GATE[fmt]
+    assert compute_snr(ref_b, b.grad) >= GRAD_GATE[fmt]
+
+
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.BLOCKWISE], ids=["tensorwise", "blockwise"])
+def test_prequantized_weight_matches_quantizing_inside(granularity):
+    config = _config(granularity)
+    a, b, grad = _operands(64, 96, 128, False, True)
+    kwargs = {"block_size": BLOCK, "scaling_recipe": None}
+    if granularity is G.BLOCKWISE:
+        from primus_turbo.pytorch.core.low_precision import ScalingRecipe
+
+        kwargs["scaling_recipe"] = ScalingRecipe(use_2d_block=True)
+    else:
+        kwargs = {}
+    weight = QuantizedTensor.quantize(b.detach(), torch.float8_e4m3fn, granularity, **kwargs)
+    out = gemm_fp8(a, weight, trans_b=True, config=config)
+    expected = gemm_fp8(a.detach(), b.detach(), trans_b=True, config=config)
+    assert torch.equal(out, expected)
+    out.backward(grad)
+    ref_out, ref_a, _ = _reference(a, b, False, True, grad)
+    assert compute_snr(ref_a, a.grad) >= 25
+
+
+def test_prequantized_rowwise_weight_requantizes_for_dgrad():
+    config = _config(G.ROWWISE)
+    a, b, grad = _operands(64, 96, 128, False, True)
+    weight = QuantizedTensor.quantize(b.detach(), torch.float8_e4m3fn, G.ROWWISE, axis=1)
+    gemm_fp8(a, weight, trans_b=True, config=config).backward(grad)
+    _, ref_a, _ = _reference(a, b, False, True, grad)
+    assert compute_snr(ref_a, a.grad) >= 25
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.name.lower())
+def test_megatron_fused_wgrad_accumulation(granularity):
+    a, b, grad = _operands(64, 96, 128, False, True)
+    b.main_grad = torch.ones(b.shape, device=DEVICE, dtype=torch.float32)
+    out = gemm_fp8(a, b, trans_b=True, config=_config(granularity), fuse_bgrad_accum_pattern="megatron")
+    out.backward(grad)
+    _, _, ref_b = _reference(a, b, False, True, grad)
+    assert b.grad_added_to_main_grad
+    assert compute_snr(ref_b + 1, b.main_grad) >= 25
+
+
+def test_pinned_torch_backend_and_vendor_agree_where_both_run():
+    a, b, _ = _operands(64, 96, 128, False, True)
+    outs = []
+    for backend in [BackendType.TORCH] + ([BackendType.HIPBLASLT] if ON_GPU else []):
+        GlobalBackendManager.set_gemm_backend(backend, PrecisionType.FP8)
+        outs.append(gemm_fp8(a.detach(), b.detach(), trans_b=True))
+        assert impl.GemmFp8Dispatcher.last_selected() is backend
+    for out in outs[1:]:
+        assert compute_snr(outs[0], out) >= 40
+
+
+@pytest.mark.deterministic
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.name.lower())
+def test_deterministic(granularity):
+    a, b, grad = _operands(64, 96, 128, False, True)
+    results = []
+    for _ in range(10):
+        a.grad = b.grad = None
+        out = gemm_fp8(a, b, trans_b=True, config=_config(granularity))
+        out.backward(grad)
+        results.append((out, a.grad, b.grad))
+    for result in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(results[0], result, strict=True))
+
+
+def test_opcheck():
+    a, b, _ = _operands(64, 96, 128, False, True)
+    qa, sa = quantize_fp8(a.detach(), torch.float8_e4m3fn, G.ROWWISE, axis=1)
+    qb, sb = quantize_fp8(b.detach(), torch.float8_e4m3fn, G.ROWWISE, axis=1)
+    # opcheck's schema test multiplies every input, which torch does not implement for fp8 dtypes
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    args = (qa, sa, qb, sb, torch.bfloat16, G.ROWWISE.value, 0, False, False)
+    torch.library.opcheck(impl.gemm_fp8_impl, args, test_utils=utils)
+    out = torch.zeros(64, 96, device=DEVICE)
+    accum_args = (qa, sa, qb, sb, out, G.ROWWISE.value, 0, False, False)
+    torch.library.opcheck(impl.gemm_fp8_accum_impl, accum_args, test_utils=utils)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.name.lower())
+def test_compiles_forward_and_backward_without_graph_breaks(granularity):
+    config = _config(granularity, Format.HYBRID)
+
+    def step(a, b):
+        return gemm_fp8(a, b, trans_b=True, config=config).float().square().sum()
+
+    a, b, _ = _operands(64, 96, 128, False, True)
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(a, b)
+    loss.backward()
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    step(a2, b2).backward()
+    assert torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda a, b: gemm_fp8(a.int(), b, trans_b=True), TypeError, "a.dtype"),
+        (lambda a, b: gemm_fp8(a, b[:, :64], trans_b=True), ValueError, "inner dimensions"),
+        (lambda a, b: gemm_fp8(a[None], b, trans_b=True), ValueError, "2-D"),
+        (lambda a, b: gemm_fp8(a, b, trans_b=True, config="fp8"), TypeError, "Float8QuantConfig"),
+        (
+            lambda a, b: gemm_fp8(
+                a[:, : BLOCK + 8], b[:, : BLOCK + 8], trans_b=True, config=_config(G.BLOCKWISE)
+            ),
+            ValueError,
+            "multiple of block_size",
+        ),
+        (
+            lambda a, b: gemm_fp8(a[:40], b, trans_b=True, config=_config(G.MX_BLOCKWISE)),
+            ValueError,
+            "multiples of 32",
+        ),
+        (
+            lambda a, b: gemm_fp8(a, b, trans_b=True, fuse_bgrad_accum_pattern="megatron"),
+            ValueError,
+            "main_grad",
+        ),
+        (
+            lambda a, b: gemm_fp8(
+                a,
+                QuantizedTensor.quantize(b, torch.float8_e4m3fn, G.TENSORWISE),
+                trans_b=True,
+                config=_config(G.ROWWISE),
+            ),
+            ValueError,
+            "quantized TENSORWISE",
+        ),
+        (lambda a, b: gemm_fp8(a, b, trans_b=True, out_dtype=torch.int8), TypeError, "out_dtype"),
+    ],
+)
+def test_bad_input_raises_clear_error(call, error, match):
+    a, b, _ = _operands(64, 96, 256 if ON_GPU else 128, False, True)
+    with pytest.raises(error, match=match):
+        call(a.detach(), b.detach())
