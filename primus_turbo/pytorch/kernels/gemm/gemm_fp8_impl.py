@@ -25,6 +25,14 @@ from primus_turbo.pytorch.core.backend import (
 from primus_turbo.pytorch.core.custom_op import direct_call_allowed
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import dequantize_fp8_reference
+from primus_turbo.triton.gemm.gemm_fp8_kernel import (
+    SCALE_BLOCK_2D,
+    SCALE_BLOCKS,
+    SCALE_ROW,
+    SCALE_TENSOR,
+    gemm_fp8_triton,
+)
+from primus_turbo.triton.utils.device_info import interpreter_active, supports_tma
 
 __all__ = ["GemmFp8Dispatcher", "gemm_fp8_accumulate", "gemm_fp8_product"]
 
@@ -91,12 +99,55 @@ class HipblasltGemmFp8Backend(KernelBackend):
         return product if out is None else out.add_(product)
 
 
+def _triton_mode(granularity: int, block_2d: bool) -> int:
+    if granularity == _TENSORWISE:
+        return SCALE_TENSOR
+    if granularity == _ROWWISE:
+        return SCALE_ROW
+    return SCALE_BLOCK_2D if block_2d else SCALE_BLOCKS
+
+
+class TritonGemmFp8Backend(KernelBackend):
+    """This library's persistent TMA FP8 kernel: tensorwise, row-wise and block scaling (1-D or 2-D)."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if torch.cuda.is_available() or interpreter_active():
+            return None
+        return "needs a CUDA GPU, or TRITON_INTERPRET=1 to run on the CPU"
+
+    @classmethod
+    def unsupported_reason(cls, a, b, out_dtype, granularity, block_size, out=None, **_: Any) -> str | None:
+        if a.device.type == "cpu" and not interpreter_active():
+            return "CPU tensors need TRITON_INTERPRET=1"
+        if not supports_tma(a.device):
+            return "needs TMA descriptors (NVIDIA sm_90+)"
+        if granularity == _MX:
+            return "MX scaling runs on the TORCH backend on GPUs without MX tensor cores"
+        if a.shape[1] % 16:
+            return f"needs K to be a multiple of 16 (TMA row alignment), got {a.shape[1]}"
+        if granularity == _BLOCKWISE and a.shape[1] % block_size:
+            return f"needs K to be a multiple of the block size {block_size}"
+        return None
+
+    @staticmethod
+    def execute(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, out=None, **_: Any):
+        block = block_size if granularity == _BLOCKWISE else 0
+        a_mode, b_mode = _triton_mode(granularity, a_2d), _triton_mode(granularity, b_2d)
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+        return gemm_fp8_triton(a, a_scale.float(), a_mode, b, b_scale.float(), b_mode, out, block, accumulate)
+
+
 class GemmFp8Dispatcher(AutoKernelDispatcher):
-    """Backend choice for FP8 GEMM: the vendor ``_scaled_mm`` where it applies, else the reference."""
+    """Backend choice for FP8 GEMM: ``_scaled_mm`` for tensorwise and row-wise scaling, the Triton kernel
+    for block scaling on GPUs, the reference elsewhere."""
 
     op_name = "gemm_fp8"
     backends = {
         BackendType.HIPBLASLT: HipblasltGemmFp8Backend,
+        BackendType.TRITON: TritonGemmFp8Backend,
         BackendType.TORCH: TorchGemmFp8Backend,
     }
 
@@ -118,8 +169,10 @@ class GemmFp8Dispatcher(AutoKernelDispatcher):
         )
 
     @classmethod
-    def default_backend(cls, a, **_: Any) -> BackendType:
-        return BackendType.HIPBLASLT if a.device.type == "cuda" else BackendType.TORCH
+    def default_backend(cls, a, granularity, **_: Any) -> BackendType:
+        if a.device.type != "cuda":
+            return BackendType.TORCH
+        return BackendType.TRITON if granularity == _BLOCKWISE else BackendType.HIPBLASLT
 
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,217 @@
+"""FP8 GEMM ``C (+)= (A * sa) @ (B * sb)^T`` in Triton for the NT layout, fp32 accumulation.
+
+A (M, K) and B (N, K) are row-major FP8 read through TMA descriptors by a persistent kernel. Scale
+modes per operand: 0 one scale, 1 one per row, 2 one per (row, K-block), 3 one per (row-block,
+K-block) (B only: 128 x 128 weight tiles). Modes 0 and 1 scale the finished tile once; modes 2 and 3
+scale each K-block's partial product before it is added (the DeepSeek-V3 recipe), so BLOCK_K equals
+the scale block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
+from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
+
+__all__ = ["SCALE_BLOCK_2D", "SCALE_BLOCKS", "SCALE_ROW", "SCALE_TENSOR", "gemm_fp8_triton"]
+
+SCALE_TENSOR, SCALE_ROW, SCALE_BLOCKS, SCALE_BLOCK_2D = 0, 1, 2, 3
+
+
+def _configs() -> list[triton.Config]:
+    if interpreter_active():
+        shapes = [(32, 32, 32, 4, 1, 4)]
+    else:
+        shapes = [
+            (128, 256, 128, 8, 3, 8),
+            (128, 128, 128, 8, 4, 8),
+            (128, 128, 128, 8, 3, 4),
+            (64, 128, 128, 8, 4, 4),
+            (128, 64, 128, 8, 4, 4),
+        ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm},
+            num_stages=stages,
+            num_warps=warps,
+            pre_hook=_set_block_shapes,
+        )
+        for bm, bn, bk, gm, stages, warps in shapes
+    ]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """Per-K-block scales need BLOCK_K equal to the scale block; keep one config without autotuning."""
+    scale_block = kwargs.get("SCALE_BLOCK", 0)
+    if scale_block:
+        configs = [c for c in configs if c.kwargs["BLOCK_K"] == scale_block]
+        if not configs:
+            raise ValueError(f"no FP8 GEMM config has BLOCK_K = {scale_block}")
+    return configs if kernel_autotune_enabled() else configs[:1]
+
+
+class _KeepOutput:
+    """Autotune hooks: timing runs of an accumulating launch leave the caller's output unchanged."""
+
+    saved: torch.Tensor | None = None
+
+    def save(self, nargs: dict, reset_only: bool = False) -> None:
+        if nargs["ACCUMULATE"] and not reset_only:
+            self.saved = nargs["c_ptr"].clone()
+
+    def restore(self, nargs: dict, exception: BaseException | None) -> None:
+        if self.saved is not None:
+            nargs["c_ptr"].copy_(self.saved)
+            self.saved = None
+
+
+_keep_output = _KeepOutput()
+
+
+@triton.jit
+def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """Scale vector over ``rows`` for K-block ``kb`` (modes 2 and 3) or for the tile (modes 0 and 1)."""
+    if MODE == 0:
+        return tl.load(ptr).to(tl.float32) + tl.zeros(rows.shape, dtype=tl.float32)
+    if MODE == 1:
+        return tl.load(ptr + rows * stride_r, mask=row_ok, other=0.0).to(tl.float32)
+    if MODE == 2:
+        return tl.load(ptr + rows * stride_r + kb * stride_k, mask=row_ok, other=0.0).to(tl.float32)
+    return tl.load(ptr + (rows // SCALE_BLOCK) * stride_r + kb * stride_k, mask=row_ok, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["M", "N", "K", "A_MODE", "B_MODE", "SCALE_BLOCK", "ACCUMULATE", "DTYPES"],
+    prune_configs_by={"early_config_prune": _prune},
+    pre_hook=_keep_output.save,
+    post_hook=_keep_output.restore,
+)
+@triton.jit(do_not_specialize=["M", "N", "K"])
+def _gemm_fp8_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    stride_cn,
+    stride_as_r,
+    stride_as_k,
+    stride_bs_r,
+    stride_bs_k,
+    A_MODE: tl.constexpr,
+    B_MODE: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    DTYPES: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_block: tl.constexpr = A_MODE >= 2 or B_MODE >= 2
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        rows_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rows_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        m_ok = rows_m < M
+        n_ok = rows_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            if per_block:
+                sa = _load_scales(
+                    a_scale_ptr, rows_m, m_ok, ki, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK
+                )
+                sb = _load_scales(
+                    b_scale_ptr, rows_n, n_ok, ki, stride_bs_r, stride_bs_k, B_MODE, SCALE_BLOCK
+                )
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if not per_block:
+            sa = _load_scales(a_scale_ptr, rows_m, m_ok, 0, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK)
+            sb = _load_scales(b_scale_ptr, rows_n, n_ok, 0, stride_bs_r, stride_bs_k, B_MODE, SCALE_BLOCK)
+            acc = acc * (sa[:, None] * sb[None, :])
+        c_ptrs = c_ptr + rows_m[:, None] * stride_cm + rows_n[None, :] * stride_cn
+        c_mask = m_ok[:, None] & n_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def gemm_fp8_triton(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_mode: int,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_mode: int,
+    out: torch.Tensor,
+    scale_block: int = 0,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Write ``(a * a_scale) @ (b * b_scale)^T`` into ``out`` (``+=`` when ``accumulate``).
+
+    ``a`` (M, K) and ``b`` (N, K) are row-major FP8 with 16-byte aligned rows. Scales are fp32 tensors:
+    0-d (mode 0), (rows, 1) (mode 1), (rows, K / scale_block) (mode 2) or
+    (rows / scale_block, K / scale_block) (mode 3), any strides.
+    """
+    m, n = out.shape
+    k = a.shape[1]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out if accumulate else out.zero_()
+    sms = num_sms(out.device)
+    placeholder = [1, 1]
+    a_desc = TensorDescriptor.from_tensor(a, placeholder)
+    b_desc = TensorDescriptor.from_tensor(b, placeholder)
+
+    def strides(scale: torch.Tensor) -> tuple[int, int]:
+        return (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
+
+    def grid(meta: dict) -> tuple[int]:
+        return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+    _gemm_fp8_kernel[grid](
+        a_desc,
+        b_desc,
+        out,
+        a_scale,
+        b_scale,
+        m,
+        n,
+        k,
+        out.stride(0),
+        out.stride(1),
+        *strides(a_scale),
+        *strides(b_scale),
+        A_MODE=a_mode,
+        B_MODE=b_mode,
+        SCALE_BLOCK=scale_block,
+        ACCUMULATE=accumulate,
+        DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}",
+        NUM_SMS=sms,
+    )
+    return out
