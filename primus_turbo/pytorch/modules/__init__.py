@@ -1,5 +1,5 @@
 """``nn.Module`` wrappers over Turbo ops."""
 
-from primus_turbo.pytorch.modules.linear import Linear
+from primus_turbo.pytorch.modules.linear import Float8Linear, Linear
 
-__all__ = ["Linear"]
+__all__ = ["Float8Linear", "Linear"]

@@ -1,4 +1,5 @@
-"""``Linear``: a drop-in ``nn.Linear`` whose matmul (forward, dgrad, wgrad) runs on Turbo GEMM."""
+"""``Linear`` and ``Float8Linear``: drop-in ``nn.Linear`` layers whose matmuls (forward, dgrad, wgrad)
+run on Turbo GEMM, in the input precision or in FP8."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import math
 import torch
 from torch import nn
 
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.ops.gemm import gemm
+from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 
-__all__ = ["Linear"]
+__all__ = ["Float8Linear", "Linear"]
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` of shape (out_features, in_features).
 
-    Inputs of any leading shape are flattened to 2-D for the GEMM and reshaped back.
+    Inputs of any leading shape are flattened to 2-D for the GEMM and reshaped back. With a
+    ``quant_config`` the three GEMMs run in FP8 (``ops.gemm_fp8``); parameters stay high precision.
     """
 
     def __init__(
@@ -25,8 +29,12 @@ class Linear(nn.Module):
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quant_config: Float8QuantConfig | None = None,
     ) -> None:
         super().__init__()
+        if quant_config is not None and not isinstance(quant_config, Float8QuantConfig):
+            raise TypeError(f"quant_config must be a Float8QuantConfig or None, got {quant_config!r}")
+        self.quant_config = quant_config
         if in_features <= 0 or out_features <= 0:
             raise ValueError(
                 f"in_features and out_features must be positive, got {in_features}, {out_features}"
@@ -50,11 +58,46 @@ class Linear(nn.Module):
             raise ValueError(
                 f"Linear expects the last dim of x to be {self.in_features}, got {tuple(x.shape)}"
             )
-        out = gemm(x.reshape(-1, self.in_features), self.weight, trans_b=True)
+        x2d = x.reshape(-1, self.in_features)
+        if self.quant_config is None:
+            out = gemm(x2d, self.weight, trans_b=True)
+        else:
+            out = gemm_fp8(x2d, self.weight, trans_b=True, config=self.quant_config)
         out = out.view(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+        if self.quant_config is not None:
+            text += f", fp8={self.quant_config.granularity.name}/{self.quant_config.format.name}"
+        return text
+
+
+class Float8Linear(Linear):
+    """A ``Linear`` whose GEMMs run in FP8 with ``config`` (default: tensorwise E4M3)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        config: Float8QuantConfig | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype, config or Float8QuantConfig())
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, config: Float8QuantConfig | None = None) -> Float8Linear:
+        """An FP8 layer that shares ``linear``'s weight and bias parameters (no copy)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_float takes an nn.Linear, got {type(linear).__name__}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.quant_config = config or Float8QuantConfig()
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        return layer

@@ -17,7 +17,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
-__all__ = ["SCALE_BLOCK_2D", "SCALE_BLOCKS", "SCALE_ROW", "SCALE_TENSOR", "gemm_fp8_triton"]
+__all__ = [
+    "SCALE_BLOCK_2D",
+    "SCALE_BLOCKS",
+    "SCALE_ROW",
+    "SCALE_TENSOR",
+    "gemm_fp8_triton",
+    "supported_scale_blocks",
+]
 
 SCALE_TENSOR, SCALE_ROW, SCALE_BLOCKS, SCALE_BLOCK_2D = 0, 1, 2, 3
 
@@ -57,6 +64,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
         if not configs:
             raise ValueError(f"no FP8 GEMM config has BLOCK_K = {scale_block}")
     return configs if kernel_autotune_enabled() else configs[:1]
+
+
+def supported_scale_blocks() -> frozenset[int]:
+    """Block sizes the per-K-block scale modes can use (each needs a config with that BLOCK_K)."""
+    return frozenset(c.kwargs["BLOCK_K"] for c in _gemm_fp8_kernel.configs)
 
 
 class _KeepOutput:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_turbo.pytorch.modules import Linear
-from tests.pytorch.test_utils import DEVICES, get_tolerances
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+from primus_turbo.pytorch.modules import Float8Linear, Linear
+from tests.pytorch.test_utils import DEVICES, compute_snr, get_tolerances
 
 DEVICE = DEVICES[0]
 
@@ -58,3 +59,54 @@ def test_linear_compiles_fullgraph():
     model(x).sum().backward()
     for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, want, **get_tolerances(torch.float32))
+
+
+FP8_BLOCK = 128 if DEVICE == "cuda" else 32
+FP8_CONFIGS = [
+    Float8QuantConfig(),
+    Float8QuantConfig(format=Format.HYBRID, granularity=ScalingGranularity.ROWWISE),
+    Float8QuantConfig(format=Format.HYBRID, granularity=ScalingGranularity.BLOCKWISE, block_size=FP8_BLOCK),
+]
+
+
+@pytest.mark.parametrize("config", FP8_CONFIGS, ids=["tensorwise", "rowwise-hybrid", "blockwise-hybrid"])
+@pytest.mark.parametrize("batch_shape", [(2, 32), (0,)])
+def test_float8_linear_tracks_fp32(config, batch_shape):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(128, 96, device=DEVICE, dtype=torch.bfloat16)
+    layer = Float8Linear.from_float(ref, config)
+    assert layer.weight is ref.weight and layer.bias is ref.bias
+    x = torch.randn(*batch_shape, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x32 = x.detach().float().requires_grad_()
+    w32 = ref.weight.detach().float().requires_grad_()
+    out32 = torch.nn.functional.linear(x32, w32, ref.bias.detach().float())
+    out32.backward(grad.float())
+    assert out.shape == (*batch_shape, 96)
+    if out.numel():
+        gate = 25 if config.format is Format.E4M3 else 20
+        assert compute_snr(out32, out) >= 25
+        assert compute_snr(x32.grad, x.grad) >= gate
+        assert compute_snr(w32.grad, ref.weight.grad) >= gate
+
+
+def test_float8_linear_compiles_forward_and_backward():
+    torch._dynamo.reset()
+    layer = Float8Linear(64, 32, device=DEVICE, dtype=torch.bfloat16, config=FP8_CONFIGS[2])
+    x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(x).float().sum().backward()
+    grad_x, grad_w = x.grad.clone(), layer.weight.grad.clone()
+    x.grad = layer.weight.grad = None
+    layer(x).float().sum().backward()
+    assert torch.equal(grad_x, x.grad) and torch.equal(grad_w, layer.weight.grad)
+
+
+def test_float8_linear_errors_and_repr():
+    with pytest.raises(TypeError, match="Float8QuantConfig"):
+        Linear(16, 8, quant_config="fp8")
+    with pytest.raises(TypeError, match="nn.Linear"):
+        Float8Linear.from_float(torch.nn.Conv1d(1, 1, 1))
+    assert "fp8=TENSORWISE/E4M3" in repr(Float8Linear(16, 8))

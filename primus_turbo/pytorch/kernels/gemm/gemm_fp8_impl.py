@@ -31,6 +31,7 @@ from primus_turbo.triton.gemm.gemm_fp8_kernel import (
     SCALE_ROW,
     SCALE_TENSOR,
     gemm_fp8_triton,
+    supported_scale_blocks,
 )
 from primus_turbo.triton.utils.device_info import interpreter_active, supports_tma
 
@@ -126,6 +127,8 @@ class TritonGemmFp8Backend(KernelBackend):
             return "MX scaling runs on the TORCH backend on GPUs without MX tensor cores"
         if a.shape[1] % 16:
             return f"needs K to be a multiple of 16 (TMA row alignment), got {a.shape[1]}"
+        if granularity == _BLOCKWISE and block_size not in supported_scale_blocks():
+            return f"has no config for block size {block_size} (has {sorted(supported_scale_blocks())})"
         if granularity == _BLOCKWISE and a.shape[1] % block_size:
             return f"needs K to be a multiple of the block size {block_size}"
         return None

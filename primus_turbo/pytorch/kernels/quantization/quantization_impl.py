@@ -155,7 +155,10 @@ def _quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if granularity == _TENSORWISE:
         x = x.contiguous()
-        amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+        if x.numel() == 0:
+            amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        else:
+            amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
         multiplier, scale_inv = _scales_from_amax(amax, out_dtype, mx=False)
         if triton_path:
             q = torch.empty_like(x, dtype=out_dtype)
