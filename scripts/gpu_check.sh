@@ -8,6 +8,8 @@
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
+#   FP8=1               also run the FP8 GEMM benchmark for every granularity (FP8_SHAPES, default quick)
+#   SKIP_BF16=1         skip the bf16 GEMM benchmark
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -46,6 +48,15 @@ fi
 
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
 timeout 120 .venv/bin/python -m benchmark.ops.training.bench_gemm_overhead 2>&1 | tee "$OUT/overhead.log" || status=1
+if [ "${FP8:-0}" = 1 ]; then
+  for granularity in tensorwise rowwise blockwise mxfp8; do
+    timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp8 \
+      --granularity "$granularity" --shapes "${FP8_SHAPES:-quick}" --backends "${FP8_BACKENDS:-HIPBLASLT,TRITON,AUTO}" \
+      --rounds "${ROUNDS:-3}" -o "$OUT/gemm_fp8_${granularity}.csv" 2>&1 | grep -v "it/s\]" \
+      | tee "$OUT/bench_fp8_${granularity}.log" || status=1
+  done
+fi
+[ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
   --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
   --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" ${SKIP_CSV:+--skip-csv "$SKIP_CSV"} \

@@ -308,7 +308,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=SHAPE_SETS, default="quick", help="shape set from config.py")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=[*sorted(DTYPES), "fp8"], default="bf16")
+    p.add_argument(
+        "--granularity",
+        choices=("tensorwise", "rowwise", "blockwise", "mxfp8"),
+        default="tensorwise",
+        help="FP8 scaling for --dtype fp8 (see bench_gemm_fp8.py)",
+    )
     p.add_argument(
         "--backends",
         default="HIPBLASLT,TRITON,AUTO",
@@ -346,6 +352,12 @@ def main(argv: list[str] | None = None) -> None:
     shapes = shapes[args.shard_id :: args.num_shards]
     timer = cpu_timer if args.device == "cpu" else cuda_timer
     env = {"Platform": platform_name(args.device), "Torch": torch.__version__, "Triton": triton.__version__}
+    if args.dtype == "fp8":
+        from benchmark.ops.training import bench_gemm_fp8
+
+        torch.manual_seed(0)
+        bench_gemm_fp8.run(args, shapes, backends, timer, env)
+        return
     LOG.info("%d shapes x %d backends on %s, %s", len(shapes), len(backends), env["Platform"], args.dtype)
     torch.manual_seed(0)
 
