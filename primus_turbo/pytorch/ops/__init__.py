@@ -1,12 +1,27 @@
 """Public operators: ``primus_turbo.pytorch.ops.<op>``."""
 
 from primus_turbo.pytorch.ops.gemm import gemm
+from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
+    dequantize_fp4,
     dequantize_fp8,
+    quantize_fp4,
+    quantize_fp4_with_trans,
     quantize_fp8,
     quantize_fp8_with_trans,
 )
 
-__all__ = ["QuantizedTensor", "dequantize_fp8", "gemm", "gemm_fp8", "quantize_fp8", "quantize_fp8_with_trans"]
+__all__ = [
+    "QuantizedTensor",
+    "dequantize_fp4",
+    "dequantize_fp8",
+    "gemm",
+    "gemm_fp4",
+    "gemm_fp8",
+    "quantize_fp4",
+    "quantize_fp4_with_trans",
+    "quantize_fp8",
+    "quantize_fp8_with_trans",
+]

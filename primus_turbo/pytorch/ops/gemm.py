@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accumulate, gemm_product
 
 __all__ = ["gemm"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ACCUM_PATTERNS = (None, "megatron")
 
 
 def _dgrad(grad_out, b, trans_a, trans_b, dtype):
@@ -45,9 +45,7 @@ class _GemmFunction(torch.autograd.Function):
             lhs, rhs, trans_lhs, trans_rhs = _wgrad_operands(grad_out, a, ctx.trans_a, ctx.trans_b)
             if ctx.accum_pattern == "megatron":
                 gemm_accumulate(lhs, rhs, b.main_grad, trans_lhs, trans_rhs)
-                b.grad_added_to_main_grad = True
-                make = torch.zeros if getattr(b, "zero_out_wgrad", False) else torch.empty
-                grad_b = make(b.shape, dtype=b.dtype, device=b.device)
+                grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = gemm_product(lhs, rhs, trans_lhs, trans_rhs, b.dtype)
         return grad_a, grad_b, None, None, None, None
@@ -71,20 +69,7 @@ def _check_gemm_args(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern
         )
     out_dtype = a.dtype if out_dtype is None else out_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
-    if fuse_bgrad_accum_pattern not in _ACCUM_PATTERNS:
-        raise ValueError(
-            f"fuse_bgrad_accum_pattern must be None or 'megatron', got {fuse_bgrad_accum_pattern!r}"
-        )
-    if fuse_bgrad_accum_pattern == "megatron":
-        main_grad = getattr(b, "main_grad", None)
-        if not isinstance(main_grad, torch.Tensor):
-            raise ValueError("fuse_bgrad_accum_pattern='megatron' needs b.main_grad (set by Megatron DDP)")
-        if main_grad.shape != b.shape or not main_grad.is_contiguous() or main_grad.device != b.device:
-            raise ValueError(
-                f"b.main_grad must be a contiguous tensor of b's shape {tuple(b.shape)} on {b.device}, "
-                f"got {tuple(main_grad.shape)} on {main_grad.device}"
-            )
-        check_dtype("b.main_grad.dtype", main_grad.dtype, _DTYPES)
+    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     return out_dtype
 
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.low_precision import (
     Float8QuantConfig,
     ScalingGranularity,
@@ -153,9 +154,7 @@ class _GemmFp8Function(torch.autograd.Function):
             if ctx.accum_pattern == "megatron":
                 b = ctx.b
                 gemm_fp8_accumulate(*lhs, *rhs, b.main_grad, gran, block, False, False)
-                b.grad_added_to_main_grad = True
-                make = torch.zeros if getattr(b, "zero_out_wgrad", False) else torch.empty
-                grad_b = make(b.shape, dtype=b.dtype, device=b.device)
+                grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = gemm_fp8_product(*lhs, *rhs, ctx.b_dtype, gran, block, False, False)
         return grad_a, grad_b, None, None, None, None, None
@@ -196,16 +195,7 @@ def _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_patt
         hp = [x.dtype for x in (a, b) if isinstance(x, torch.Tensor)]
         out_dtype = hp[0] if hp else a.orig_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
-    if fuse_bgrad_accum_pattern not in (None, "megatron"):
-        raise ValueError(
-            f"fuse_bgrad_accum_pattern must be None or 'megatron', got {fuse_bgrad_accum_pattern!r}"
-        )
-    if fuse_bgrad_accum_pattern == "megatron":
-        main_grad = getattr(b, "main_grad", None)
-        if not isinstance(b, torch.Tensor) or not isinstance(main_grad, torch.Tensor):
-            raise ValueError("fuse_bgrad_accum_pattern='megatron' needs a tensor b with b.main_grad")
-        if main_grad.shape != b.shape or not main_grad.is_contiguous():
-            raise ValueError(f"b.main_grad must be a contiguous tensor of b's shape {tuple(b.shape)}")
+    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     return out_dtype
 
 

@@ -23,6 +23,12 @@ import torch
 
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
 from primus_turbo.pytorch.core.validation import check_dtype, check_tensor
+from primus_turbo.pytorch.kernels.quantization.quantization_fp4_impl import (
+    FP4_DTYPE,
+    dequantize_fp4_impl,
+    quantize_fp4_impl,
+    quantize_fp4_with_trans_impl,
+)
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     FP8_DTYPES,
     dequantize_fp8_impl,
@@ -30,7 +36,15 @@ from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     quantize_fp8_with_trans_impl,
 )
 
-__all__ = ["QuantizedTensor", "dequantize_fp8", "quantize_fp8", "quantize_fp8_with_trans"]
+__all__ = [
+    "QuantizedTensor",
+    "dequantize_fp4",
+    "dequantize_fp8",
+    "quantize_fp4",
+    "quantize_fp4_with_trans",
+    "quantize_fp8",
+    "quantize_fp8_with_trans",
+]
 
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -161,6 +175,64 @@ def quantize_fp8_with_trans(
     if granularity is ScalingGranularity.MX_BLOCKWISE and x.shape[0] % _MX_BLOCK:
         raise ValueError(f"MX_BLOCKWISE with_trans needs M ({x.shape[0]}) to be a multiple of 32")
     return quantize_fp8_with_trans_impl(x, out_dtype, granularity.value, block, block_2d)
+
+
+def _check_fp4_layout(x: torch.Tensor, granularity: ScalingGranularity, block_size: int, axis: int) -> None:
+    if granularity is not ScalingGranularity.MX_BLOCKWISE:
+        raise ValueError(f"FP4 quantization is MX_BLOCKWISE only, got {granularity!r}")
+    if block_size != _MX_BLOCK:
+        raise ValueError(f"MXFP4 uses blocks of {_MX_BLOCK}, got block_size={block_size!r}")
+    if axis not in (-1, x.dim() - 1):
+        raise ValueError(f"FP4 quantizes along the last dimension (axis=-1), got axis={axis!r}")
+
+
+def quantize_fp4(
+    x: torch.Tensor,
+    granularity: ScalingGranularity = ScalingGranularity.MX_BLOCKWISE,
+    *,
+    block_size: int = _MX_BLOCK,
+    axis: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 of ``x`` along its last dimension: ``(q, scale_inv)``.
+
+    ``q`` is (..., K / 2) ``torch.float4_e2m1fn_x2`` (two E2M1 values per byte, element ``2i`` in the
+    low nibble); ``scale_inv`` is (..., K / 32) E8M0. Values round to nearest even on the E2M1 grid
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6} and saturate at 6 times the scale; an all-zero group has scale 1; a
+    group holding NaN or inf gets a NaN scale. K must be a multiple of 32.
+    """
+    check_tensor("x", x)
+    check_dtype("x.dtype", x.dtype, _HIGH_PRECISION)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    _check_fp4_layout(x, granularity, block_size, axis)
+    if x.shape[-1] % _MX_BLOCK:
+        raise ValueError(f"MXFP4 needs the last dimension ({x.shape[-1]}) to be a multiple of 32")
+    return quantize_fp4_impl(x)
+
+
+def dequantize_fp4(
+    q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype, *, axis: int = -1
+) -> torch.Tensor:
+    """The values of ``quantize_fp4``'s ``(q, scale_inv)`` in ``out_dtype`` (exact for bf16 and fp32)."""
+    check_tensor("q", q)
+    check_dtype("q.dtype", q.dtype, (FP4_DTYPE, torch.uint8))
+    check_tensor("scale_inv", scale_inv)
+    check_dtype("out_dtype", out_dtype, _HIGH_PRECISION)
+    _check_fp4_layout(q, ScalingGranularity.MX_BLOCKWISE, _MX_BLOCK, axis)
+    if scale_inv.shape != (*q.shape[:-1], 2 * q.shape[-1] // _MX_BLOCK):
+        raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match q {tuple(q.shape)}")
+    return dequantize_fp4_impl(q, scale_inv, out_dtype)
+
+
+def quantize_fp4_with_trans(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 copies of a 2-D ``x`` (M, K) along K, and along M stored as (K, M / 2), in one call."""
+    check_tensor("x", x, dim=2)
+    check_dtype("x.dtype", x.dtype, _HIGH_PRECISION)
+    if x.shape[0] % _MX_BLOCK or x.shape[1] % _MX_BLOCK:
+        raise ValueError(f"MXFP4 with_trans needs M and K to be multiples of 32, got {tuple(x.shape)}")
+    return quantize_fp4_with_trans_impl(x)
 
 
 @dataclass(frozen=True)

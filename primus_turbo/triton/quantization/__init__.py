@@ -1,8 +1,9 @@
-"""Quantization kernels (FP8 with per-group scales)."""
+"""Quantization kernels: FP8 with per-group scales, MXFP4."""
 
+from primus_turbo.triton.quantization.fp4_quant_kernel import quantize_fp4_rows_triton
 from primus_turbo.triton.quantization.fp8_quant_kernel import (
     quantize_fp8_groups_triton,
     scale_cast_fp8_triton,
 )
 
-__all__ = ["quantize_fp8_groups_triton", "scale_cast_fp8_triton"]
+__all__ = ["quantize_fp4_rows_triton", "quantize_fp8_groups_triton", "scale_cast_fp8_triton"]
