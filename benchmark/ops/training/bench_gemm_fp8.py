@@ -1,4 +1,7 @@
-"""FP8 rows of ``bench_gemm_turbo --dtype fp8 --granularity ...``: GEMM, quantization and training step.
+"""FP8 and MXFP4 rows of ``bench_gemm_turbo --dtype fp8|fp4``: GEMM, quantization and training step.
+
+``--dtype fp4`` times ``gemm_fp4`` (MXFP4 on exactly dequantized bf16 operands: Hopper has no FP4
+tensor cores) the same way, with bf16 ``torch.matmul`` as the only peer.
 
 Per shape and backend label:
 
@@ -30,6 +33,7 @@ from benchmark.ops.training.config import GemmShape
 LOG = logging.getLogger("bench_gemm_fp8")
 AUTO = "AUTO"
 SNR_PASS_DB = 25.0
+FP4_PASS_DB = 10.0
 BLOCK = 128
 GRANULARITY_NAMES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 CSV_COLUMNS = [
@@ -98,51 +102,89 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+class _LowPrecisionCase:
+    """What one benchmark row quantizes and multiplies: FP8 with a config, or MXFP4."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.fp4 = args.dtype == "fp4"
+        self.config = None if self.fp4 else quant_config(args.granularity)
+        self.granularity = "mxfp4" if self.fp4 else args.granularity
+
+    def quantize(self, a: torch.Tensor, w: torch.Tensor) -> tuple:
+        if self.fp4:
+            from primus_turbo.pytorch.ops import quantize_fp4
+
+            return (*quantize_fp4(a), *quantize_fp4(w))
+        return quantize_operands(a, w, self.config)
+
+    def gemm(self, operands: tuple) -> Callable[[], torch.Tensor]:
+        if self.fp4:
+            from primus_turbo.pytorch.kernels.gemm.gemm_fp4_impl import gemm_fp4_product
+
+            return lambda: gemm_fp4_product(*operands, torch.bfloat16)
+        from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_product
+
+        qa, sa, qw, sw, w_2d = operands
+        gran, block = self.config.granularity.value, self.config.block_size or 0
+        return lambda: gemm_fp8_product(qa, sa, qw, sw, torch.bfloat16, gran, block, False, w_2d)
+
+    def peer(self, operands: tuple) -> Callable[[], torch.Tensor] | None:
+        return None if self.fp4 else scaled_mm_peer(*operands[:4], self.config)
+
+    def selected(self) -> str:
+        if self.fp4:
+            return "DEQUANT"
+        from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import GemmFp8Dispatcher
+
+        return GemmFp8Dispatcher.last_selected().name
+
+    def forward(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        from primus_turbo.pytorch.ops import gemm_fp4, gemm_fp8
+
+        if self.fp4:
+            return gemm_fp4(a, w, trans_b=True)
+        return gemm_fp8(a, w, trans_b=True, config=self.config)
+
+
 def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, timer, env: Row) -> list[Row]:
     """One row per backend label for ``shape``."""
     from benchmark.ops.training.bench_gemm_turbo import make_inputs
     from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
-    from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import GemmFp8Dispatcher, gemm_fp8_product
-    from primus_turbo.pytorch.ops import gemm_fp8
 
-    config = quant_config(args.granularity)
+    case = _LowPrecisionCase(args)
     a, w, grad = make_inputs(shape, torch.bfloat16, args.device)
     flops = 2 * shape.M * shape.N * shape.K
     reference = a.detach().float() @ w.detach().float().t()
     rows = []
     for label in labels:
         row: Row = {"Case": shape.model, "GEMM": shape.gemm, "MBS": shape.mbs, "M": shape.M, "N": shape.N}
-        row.update(K=shape.K, Granularity=args.granularity, Backend=label, **env)
+        row.update(K=shape.K, Granularity=case.granularity, Backend=label, **env)
         GlobalBackendManager.reset()
         if label == AUTO:
             GlobalBackendManager.set_auto_tune(True)
         else:
             GlobalBackendManager.set_gemm_backend(BackendType[label], PrecisionType.FP8)
         try:
-            qa, sa, qw, sw, w_2d = quantize_operands(a.detach(), w.detach(), config)
-            gran, block = config.granularity.value, config.block_size or 0
-
-            def fp8_gemm(qa=qa, sa=sa, qw=qw, sw=sw, w_2d=w_2d, gran=gran, block=block):
-                return gemm_fp8_product(qa, sa, qw, sw, torch.bfloat16, gran, block, False, w_2d)
-
-            out = fp8_gemm()
-            row["Selected"] = GemmFp8Dispatcher.last_selected().name
+            operands = case.quantize(a.detach(), w.detach())
+            low_precision_gemm = case.gemm(operands)
+            out = low_precision_gemm()
+            row["Selected"] = case.selected()
             noise = (reference - out.float()).pow(2).sum()
             row["SNR dB"] = (10 * torch.log10(reference.pow(2).sum() / noise)).item()
-            row["Check"] = "PASS" if row["SNR dB"] >= SNR_PASS_DB else "FAIL"
-            peer = scaled_mm_peer(qa, sa, qw, sw, config)
+            row["Check"] = "PASS" if row["SNR dB"] >= (FP4_PASS_DB if case.fp4 else SNR_PASS_DB) else "FAIL"
+            peer = case.peer(operands)
             row["Peer"] = "torch._scaled_mm" if peer else "-"
             try:
                 if peer is not None:
                     peer()
             except (RuntimeError, ValueError) as exc:  # this torch build has no kernel for the case
-                row["Peer"], peer = f"torch._scaled_mm unavailable: {exc}"[:80], None
+                row["Peer"], peer = f"torch._scaled_mm unavailable: {str(exc).splitlines()[0]}"[:80], None
             gemm_ms, peer_ms, bf16_ms = [], [], []
             for _ in range(args.rounds):
                 if peer is not None:
                     peer_ms.append(timer(peer, None))
                 bf16_ms.append(timer(lambda: torch.matmul(a.detach(), w.detach().t()), None))
-                gemm_ms.append(timer(fp8_gemm, None))
+                gemm_ms.append(timer(low_precision_gemm, None))
             row["GEMM ms"], row["BF16 ms"] = _median(gemm_ms), _median(bf16_ms)
             row["GEMM TFLOPS"] = flops / row["GEMM ms"] / 1e9
             row["BF16 TFLOPS"] = flops / row["BF16 ms"] / 1e9
@@ -151,10 +193,10 @@ def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, t
                 row["Peer ms"] = _median(peer_ms)
                 row["Peer TFLOPS"] = flops / row["Peer ms"] / 1e9
                 row["Ratio vs peer"] = row["Peer ms"] / row["GEMM ms"]
-            row["Quant ms"] = timer(lambda: quantize_operands(a.detach(), w.detach(), config), None)
+            row["Quant ms"] = timer(lambda: case.quantize(a.detach(), w.detach()), None)
 
             def step():
-                gemm_fp8(a, w, trans_b=True, config=config).backward(grad)
+                case.forward(a, w).backward(grad)
 
             def bf16_step():
                 torch.matmul(a, w.t()).backward(grad)

@@ -308,7 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=SHAPE_SETS, default="quick", help="shape set from config.py")
-    p.add_argument("--dtype", choices=[*sorted(DTYPES), "fp8"], default="bf16")
+    p.add_argument("--dtype", choices=[*sorted(DTYPES), "fp8", "fp4"], default="bf16")
     p.add_argument(
         "--granularity",
         choices=("tensorwise", "rowwise", "blockwise", "mxfp8"),
@@ -352,11 +352,11 @@ def main(argv: list[str] | None = None) -> None:
     shapes = shapes[args.shard_id :: args.num_shards]
     timer = cpu_timer if args.device == "cpu" else cuda_timer
     env = {"Platform": platform_name(args.device), "Torch": torch.__version__, "Triton": triton.__version__}
-    if args.dtype == "fp8":
+    if args.dtype in ("fp8", "fp4"):
         from benchmark.ops.training import bench_gemm_fp8
 
         torch.manual_seed(0)
-        bench_gemm_fp8.run(args, shapes, backends, timer, env)
+        bench_gemm_fp8.run(args, shapes, ["TORCH"] if args.dtype == "fp4" else backends, timer, env)
         return
     LOG.info("%d shapes x %d backends on %s, %s", len(shapes), len(backends), env["Platform"], args.dtype)
     torch.manual_seed(0)

@@ -167,7 +167,7 @@ def gemm_shape_set(name: str) -> list[GemmShape]:
         shapes = dense_gemm_shapes(DENSE_MODELS["Llama-3-8B"], mbs_list=(1,))
         shapes += deepseek_v3_gemm_shapes(mbs_list=(1,))
     elif name == "tiny":
-        shapes = [GemmShape("tiny", "tiny", 1, 64, 48, 32)]
+        shapes = [GemmShape("tiny", "tiny", 1, 64, 64, 128)]
     else:
         raise ValueError(f"unknown shape set {name!r}; choose from {SHAPE_SETS}")
     unique: dict[tuple[int, int, int], GemmShape] = {}
