@@ -8,7 +8,8 @@
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
-#   FP8=1               also run the FP8 GEMM benchmark for every granularity (FP8_SHAPES, default quick)
+#   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
+#                       (FP8_SHAPES, default quick)
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -55,6 +56,9 @@ if [ "${FP8:-0}" = 1 ]; then
       --rounds "${ROUNDS:-3}" -o "$OUT/gemm_fp8_${granularity}.csv" 2>&1 | grep -v "it/s\]" \
       | tee "$OUT/bench_fp8_${granularity}.log" || status=1
   done
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp4 \
+    --shapes "${FP8_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
+    | tee "$OUT/bench_fp4.log" || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
