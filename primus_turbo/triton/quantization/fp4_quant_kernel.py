@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.quantization.fp8_quant_kernel import e8m0_scale
+
 __all__ = ["quantize_fp4_rows_triton"]
 
 MX_GROUP = 32
@@ -65,11 +67,7 @@ def _quantize_fp4_kernel(
     nonfinite = (mag != mag) | (mag == float("inf"))
     bad = tl.sum(nonfinite.to(tl.int32), axis=2)
     amax = tl.max(tl.where(nonfinite, 0.0, mag), axis=2)
-    exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    shared = tl.where(amax > 0, exp - 2, 0)
-    shared = tl.minimum(tl.maximum(shared, -127), 127)
-    shared = tl.where(bad > 0, 0, shared)
-    multiplier = ((127 - shared) << 23).to(tl.float32, bitcast=True)
+    multiplier, stored = e8m0_scale(amax, bad, 2)
     codes = _e2m1_code(x * multiplier[:, :, None])
     pairs = tl.reshape(codes, (BLOCK_R, GROUPS * 16, 2))
     low, high = tl.split(pairs)
@@ -77,7 +75,6 @@ def _quantize_fp4_kernel(
     pcols = (pid_c * GROUPS * 16 + tl.arange(0, GROUPS * 16)).to(tl.int64)
     pmask = (rows < R)[:, None] & (pcols < C // 2)[None, :]
     tl.store(q_ptr + rows[:, None] * stride_qr + pcols[None, :], packed, mask=pmask)
-    stored = tl.where(bad > 0, 255, shared + 127).to(tl.uint8)
     gcols = pid_c * GROUPS + tl.arange(0, GROUPS)
     smask = (rows < R)[:, None] & (gcols < C // 32)[None, :]
     tl.store(s_ptr + rows[:, None] * stride_sr + gcols[None, :], stored, mask=smask)

@@ -17,22 +17,28 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_fp8_groups_triton", "scale_cast_fp8_triton"]
+__all__ = ["e8m0_scale", "quantize_fp8_groups_triton", "scale_cast_fp8_triton"]
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def e8m0_scale(amax, bad, EMAX: tl.constexpr):
+    """MX scale of groups with ``amax`` and ``bad`` non-finite values: (multiplier 2**-e applied to x,
+    E8M0 code of 2**e) with ``e = floor(log2(amax)) - EMAX`` clamped to [-127, 127]; 0xFF when bad."""
+    exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    shared = tl.where(amax > 0, exp - EMAX, 0)
+    shared = tl.minimum(tl.maximum(shared, -127), 127)
+    shared = tl.where(bad > 0, 0, shared)
+    multiplier = ((127 - shared) << 23).to(tl.float32, bitcast=True)
+    return multiplier, tl.where(bad > 0, 255, shared + 127).to(tl.uint8)
 
 
 @triton.jit
 def _group_scale(amax, bad, FP8_MAX: tl.constexpr, MX: tl.constexpr, MX_EMAX: tl.constexpr):
     """(multiplier applied to x, stored scale) from a group's amax and non-finite count."""
     if MX:
-        bits = amax.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) - 127
-        shared = tl.where(amax > 0, exp - MX_EMAX, 0)
-        shared = tl.minimum(tl.maximum(shared, -127), 127)
-        shared = tl.where(bad > 0, 0, shared)
-        multiplier = ((127 - shared) << 23).to(tl.float32, bitcast=True)
-        stored = tl.where(bad > 0, 255, shared + 127).to(tl.uint8)
+        multiplier, stored = e8m0_scale(amax, bad, MX_EMAX)
     else:
         safe_amax = tl.where(amax > 0, amax, 1.0)
         ratio = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), safe_amax)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import e8m0_scales_from_amax
 from primus_turbo.triton.quantization import quantize_fp4_rows_triton
 from primus_turbo.triton.utils.device_info import interpreter_active
 
@@ -26,6 +27,7 @@ __all__ = [
 FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
 _GROUP = 32
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_EMAX = 2  # 6 = 1.5 * 2**2
 
 
 def _codes(v: torch.Tensor) -> torch.Tensor:
@@ -46,13 +48,9 @@ def _codes(v: torch.Tensor) -> torch.Tensor:
 def _quantize_2d_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     groups = x.float().reshape(rows, cols // _GROUP, _GROUP)
-    amax = groups.abs().amax(dim=-1)
-    finite = torch.isfinite(amax)
-    exponent = torch.where(amax > 0, torch.frexp(amax).exponent - 1 - 2, 0).clamp(-127, 127)
-    exponent = torch.where(finite, exponent, 0)
-    codes = _codes(groups * torch.exp2(-exponent.float())[..., None]).reshape(rows, cols)
+    multiplier, stored = e8m0_scales_from_amax(groups.abs().amax(dim=-1), _E2M1_EMAX)
+    codes = _codes(groups * multiplier[..., None]).reshape(rows, cols)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    stored = torch.where(finite, torch.exp2(exponent.float()), torch.nan).to(torch.float8_e8m0fnu)
     return packed, stored
 
 

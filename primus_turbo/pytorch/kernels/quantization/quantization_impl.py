@@ -21,6 +21,7 @@ __all__ = [
     "FP8_DTYPES",
     "dequantize_fp8_impl",
     "dequantize_fp8_reference",
+    "e8m0_scales_from_amax",
     "mx_emax",
     "quantize_fp8_impl",
     "quantize_fp8_reference",
@@ -85,18 +86,23 @@ def _use_triton(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
     return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
 
 
+def e8m0_scales_from_amax(amax: torch.Tensor, emax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX scales: (multiplier ``2**-e`` for x, E8M0 ``2**e``) with ``e = floor(log2(amax)) - emax``
+    clamped to [-127, 127], ``e = 0`` for all-zero groups and NaN for non-finite ones."""
+    finite = torch.isfinite(amax)
+    exponent = torch.where(amax > 0, torch.frexp(amax).exponent - 1 - emax, 0).clamp(-127, 127)
+    exponent = torch.where(finite, exponent, 0)
+    stored = torch.where(finite, torch.exp2(exponent.float()), torch.nan).to(torch.float8_e8m0fnu)
+    return torch.exp2(-exponent.float()), stored
+
+
 def _scales_from_amax(
     amax: torch.Tensor, fp8_dtype: torch.dtype, mx: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(multiplier for x, stored scale_inv) from group amax values; see the module docstring rules."""
     finite = torch.isfinite(amax)
     if mx:
-        exponent = torch.frexp(amax).exponent - 1 - mx_emax(fp8_dtype)
-        exponent = torch.where(amax > 0, exponent, 0).clamp(-127, 127)
-        exponent = torch.where(finite, exponent, 0)
-        multiplier = torch.exp2(-exponent.float())
-        stored = torch.where(finite, torch.exp2(exponent.float()), torch.nan).to(torch.float8_e8m0fnu)
-        return multiplier, stored
+        return e8m0_scales_from_amax(amax, mx_emax(fp8_dtype))
     # tensor / tensor divisions: ``scalar / tensor`` is a reciprocal times the scalar in torch, which
     # rounds differently from the kernels' correctly rounded division
     fp8_max = torch.full_like(amax, torch.finfo(fp8_dtype).max)
