@@ -28,6 +28,7 @@ import torch
 import triton
 from tabulate import tabulate
 
+from benchmark.ops.training.bench_utils import make_inputs
 from benchmark.ops.training.config import GemmShape
 
 LOG = logging.getLogger("bench_gemm_fp8")
@@ -148,7 +149,6 @@ class _LowPrecisionCase:
 
 def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, timer, env: Row) -> list[Row]:
     """One row per backend label for ``shape``."""
-    from benchmark.ops.training.bench_gemm_turbo import make_inputs
     from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 
     case = _LowPrecisionCase(args)
