@@ -33,7 +33,9 @@ def _config(granularity: ScalingGranularity, fmt: Format = Format.E4M3) -> Float
 GRANULARITIES = list(G)
 BACKENDS = [BackendType.TORCH, BackendType.TRITON] + ([BackendType.HIPBLASLT] if ON_GPU else [])
 LAYOUTS = list(itertools.product([False, True], repeat=2))
-SHAPES = [(64, 96, 128), (96, 32, 64)] + ([(4096, 4096, 4096), (2048, 576, 7168)] if ON_GPU else [])
+SHAPES = [(64, 96, 128), (96, 32, 64)]
+# real-model shapes on the GPU, in the Linear layout (the one every layer uses)
+LARGE_SHAPES = [(4096, 4096, 4096), (2048, 576, 7168)] if ON_GPU else []
 # SNR gates (dB): the output of E4M3 and HYBRID at 25, E5M2 at 20; gradients follow the format that
 # quantized the gradient: E5M2 under HYBRID
 OUT_GATE = {Format.E4M3: 25.0, Format.HYBRID: 25.0, Format.E5M2: 20.0}
@@ -73,6 +75,18 @@ def _reference(a, b, trans_a, trans_b, grad):
 @pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.name.lower())
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_forward_backward_snr(backend, granularity, m, n, k, trans_a, trans_b, fmt):
+    _check_forward_backward(backend, granularity, m, n, k, trans_a, trans_b, fmt)
+
+
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID], ids=lambda f: f.name.lower())
+@pytest.mark.parametrize("m,n,k", LARGE_SHAPES)
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.name.lower())
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_forward_backward_snr_model_shapes(backend, granularity, m, n, k, fmt):
+    _check_forward_backward(backend, granularity, m, n, k, False, True, fmt)
+
+
+def _check_forward_backward(backend, granularity, m, n, k, trans_a, trans_b, fmt):
     if granularity is G.MX_BLOCKWISE and (m % 32 or n % 32 or k % 32):
         pytest.skip("MX needs multiples of 32")
     GlobalBackendManager.set_gemm_backend(backend, PrecisionType.FP8)
