@@ -128,6 +128,7 @@ def _gemm_fp8_kernel(
     stride_bs_k,
     A_MODE: tl.constexpr,
     B_MODE: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     DTYPES: tl.constexpr,
@@ -140,7 +141,6 @@ def _gemm_fp8_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_block: tl.constexpr = A_MODE >= 2 or B_MODE >= 2
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         rows_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -151,7 +151,7 @@ def _gemm_fp8_kernel(
         for ki in range(k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-            if per_block:
+            if PER_BLOCK:
                 sa = _load_scales(
                     a_scale_ptr, rows_m, m_ok, ki, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK
                 )
@@ -161,7 +161,7 @@ def _gemm_fp8_kernel(
                 acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
             else:
                 acc = tl.dot(a, b.T, acc)
-        if not per_block:
+        if not PER_BLOCK:
             sa = _load_scales(a_scale_ptr, rows_m, m_ok, 0, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK)
             sb = _load_scales(b_scale_ptr, rows_n, n_ok, 0, stride_bs_r, stride_bs_k, B_MODE, SCALE_BLOCK)
             acc = acc * (sa[:, None] * sb[None, :])
@@ -221,6 +221,7 @@ def gemm_fp8_triton(
         *strides(b_scale),
         A_MODE=a_mode,
         B_MODE=b_mode,
+        PER_BLOCK=a_mode >= SCALE_BLOCKS or b_mode >= SCALE_BLOCKS,
         SCALE_BLOCK=scale_block,
         ACCUMULATE=accumulate,
         DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}",
