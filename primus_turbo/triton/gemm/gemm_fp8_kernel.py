@@ -66,6 +66,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     return configs if kernel_autotune_enabled() else configs[:1]
 
 
+# The launch arguments of the config the autotuner chose, per problem; later calls with the same problem
+# launch the compiled kernel directly, without the autotuner's per-call host work.
+_chosen: dict[tuple, tuple[triton.Config, dict]] = {}
+
+
 def supported_scale_blocks() -> frozenset[int]:
     """Block sizes the per-K-block scale modes can use (each needs a config with that BLOCK_K)."""
     return frozenset(c.kwargs["BLOCK_K"] for c in _gemm_fp8_kernel.configs)
@@ -196,35 +201,33 @@ def gemm_fp8_triton(
     if k == 0:
         return out if accumulate else out.zero_()
     sms = num_sms(out.device)
-    placeholder = [1, 1]
-    a_desc = TensorDescriptor.from_tensor(a, placeholder)
-    b_desc = TensorDescriptor.from_tensor(b, placeholder)
 
     def strides(scale: torch.Tensor) -> tuple[int, int]:
         return (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
 
-    def grid(meta: dict) -> tuple[int]:
-        return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+    args = (m, n, k, out.stride(0), out.stride(1), *strides(a_scale), *strides(b_scale))
+    flags = dict(A_MODE=a_mode, B_MODE=b_mode, PER_BLOCK=a_mode >= SCALE_BLOCKS or b_mode >= SCALE_BLOCKS)
+    flags.update(SCALE_BLOCK=scale_block, ACCUMULATE=accumulate, DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}")
+    flags.update(NUM_SMS=sms)
+    key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], out.device)
+    chosen = _chosen.get(key)
+    if chosen is None:
+        placeholder = [1, 1]
+        descs = (TensorDescriptor.from_tensor(a, placeholder), TensorDescriptor.from_tensor(b, placeholder))
 
-    _gemm_fp8_kernel[grid](
-        a_desc,
-        b_desc,
-        out,
-        a_scale,
-        b_scale,
-        m,
-        n,
-        k,
-        out.stride(0),
-        out.stride(1),
-        *strides(a_scale),
-        *strides(b_scale),
-        A_MODE=a_mode,
-        B_MODE=b_mode,
-        PER_BLOCK=a_mode >= SCALE_BLOCKS or b_mode >= SCALE_BLOCKS,
-        SCALE_BLOCK=scale_block,
-        ACCUMULATE=accumulate,
-        DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}",
-        NUM_SMS=sms,
+        def grid(meta: dict) -> tuple[int]:
+            return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+        _gemm_fp8_kernel[grid](*descs, out, a_scale, b_scale, *args, **flags)
+        best = _gemm_fp8_kernel.best_config
+        _chosen[key] = (best, {**flags, **best.all_kwargs()})
+        return out
+    config, launch_kwargs = chosen
+    bm, bn, bk = (config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    descs = (
+        TensorDescriptor(a, a.shape, a.stride(), [bm, bk]),
+        TensorDescriptor(b, b.shape, b.stride(), [bn, bk]),
     )
+    grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    _gemm_fp8_kernel.fn[grid](*descs, out, a_scale, b_scale, *args, **launch_kwargs)
     return out

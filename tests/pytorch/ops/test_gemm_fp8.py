@@ -251,3 +251,16 @@ def test_bad_input_raises_clear_error(call, error, match):
     a, b, _ = _operands(64, 96, 256 if ON_GPU else 128, False, True)
     with pytest.raises(error, match=match):
         call(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
+def test_triton_reuses_its_chosen_config(granularity):
+    from primus_turbo.triton.gemm import gemm_fp8_kernel
+
+    GlobalBackendManager.set_gemm_backend(BackendType.TRITON, PrecisionType.FP8)
+    a, b, _ = _operands(64, 96, 128, False, True)
+    gemm_fp8_kernel._chosen.clear()
+    first = gemm_fp8(a.detach(), b.detach(), trans_b=True, config=_config(granularity))
+    assert len(gemm_fp8_kernel._chosen) == 1
+    again = gemm_fp8(a.detach(), b.detach(), trans_b=True, config=_config(granularity))
+    assert len(gemm_fp8_kernel._chosen) == 1 and torch.equal(first, again)
