@@ -17,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["e8m0_scale", "quantize_fp8_groups_triton", "scale_cast_fp8_triton"]
+__all__ = [
+    "e8m0_scale",
+    "quantize_fp8_dual_blocks_triton",
+    "quantize_fp8_groups_triton",
+    "scale_cast_fp8_triton",
+]
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -117,6 +122,57 @@ def _quantize_groups_kernel(
 
 
 @triton.jit
+def _quantize_dual_blocks_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    FP8_MAX: tl.constexpr,
+    MX: tl.constexpr,
+    MX_EMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    N_GROUPS: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
+    ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
+    (K, M / GROUP). All four outputs are contiguous."""
+    rows = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
+    cols = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mag = tl.abs(x)
+    nonfinite = (mag != mag) | (mag == float("inf"))
+    mag = tl.where(nonfinite, 0.0, mag)
+    # groups along K: (TILE, N_GROUPS, GROUP)
+    amax = tl.max(tl.reshape(mag, (TILE, N_GROUPS, GROUP)), axis=2)
+    bad = tl.sum(tl.reshape(nonfinite.to(tl.int32), (TILE, N_GROUPS, GROUP)), axis=2)
+    multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
+    scaled = tl.reshape(tl.reshape(x, (TILE, N_GROUPS, GROUP)) * multiplier[:, :, None], (TILE, TILE))
+    q = _saturate(scaled, FP8_MAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    k_groups = (tl.program_id(1) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
+    s_mask = (rows < M)[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
+    tl.store(s_ptr + rows[:, None] * tl.cdiv(K, GROUP) + k_groups[None, :], stored, mask=s_mask)
+    # groups along M: (N_GROUPS, GROUP, TILE), written transposed
+    amax_t = tl.max(tl.reshape(mag, (N_GROUPS, GROUP, TILE)), axis=1)
+    bad_t = tl.sum(tl.reshape(nonfinite.to(tl.int32), (N_GROUPS, GROUP, TILE)), axis=1)
+    multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
+    scaled_t = tl.reshape(tl.reshape(x, (N_GROUPS, GROUP, TILE)) * multiplier_t[:, None, :], (TILE, TILE))
+    q_t = tl.trans(_saturate(scaled_t, FP8_MAX).to(qt_ptr.dtype.element_ty))
+    tl.store(qt_ptr + cols[:, None] * M + rows[None, :], q_t, mask=tl.trans(mask))
+    m_groups = (tl.program_id(0) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
+    st_mask = (cols < K)[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
+    tl.store(st_ptr + cols[:, None] * tl.cdiv(M, GROUP) + m_groups[None, :], tl.trans(stored_t), mask=st_mask)
+
+
+@triton.jit
 def _scale_cast_kernel(x_ptr, q_ptr, scale_ptr, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """q = saturate(x * scale) for a contiguous tensor and one scale read from device memory."""
     offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -164,6 +220,41 @@ def quantize_fp8_groups_triton(
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         num_warps=8 if block_r * block_c >= 8192 else 4,
+    )
+
+
+def quantize_fp8_dual_blocks_triton(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    q_t: torch.Tensor,
+    scale_t: torch.Tensor,
+    group: int,
+    mx_emax: int | None = None,
+) -> None:
+    """Both 1-D block quantizations of a 2-D ``x`` (M, K) in one read: ``q`` (M, K) with ``scale``
+    (M, K / group) along K, and ``q_t`` (K, M) with ``scale_t`` (K, M / group) along M. Outputs are
+    contiguous; scales are fp32, or uint8 E8M0 codes when ``mx_emax`` is given."""
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    tile = max(group, 64)
+    _quantize_dual_blocks_kernel[(triton.cdiv(m, tile), triton.cdiv(k, tile))](
+        x,
+        q,
+        scale,
+        q_t,
+        scale_t,
+        m,
+        k,
+        *x.stride(),
+        FP8_MAX=torch.finfo(q.dtype).max,
+        MX=mx_emax is not None,
+        MX_EMAX=mx_emax or 0,
+        GROUP=group,
+        N_GROUPS=tile // group,
+        TILE=tile,
+        num_warps=8 if tile >= 128 else 4,
     )
 
 

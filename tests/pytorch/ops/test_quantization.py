@@ -178,18 +178,24 @@ WITH_TRANS = [
     (G.TENSORWISE, {}),
     (G.ROWWISE, {}),
     (G.BLOCKWISE, {"block_size": 32}),
+    (G.BLOCKWISE, {"block_size": 128}),
     (G.BLOCKWISE, {"block_size": 32, "scaling_recipe": ScalingRecipe(use_2d_block=True)}),
     (G.MX_BLOCKWISE, {}),
 ]
 
 
 @pytest.mark.parametrize(
-    "granularity,kwargs", WITH_TRANS, ids=["tensorwise", "rowwise", "blockwise", "block2d", "mx"]
+    "granularity,kwargs",
+    WITH_TRANS,
+    ids=["tensorwise", "rowwise", "blockwise32", "blockwise128", "block2d", "mx"],
 )
-def test_with_trans_equals_two_single_quantizations(granularity, kwargs):
-    x = _input((96, 64))
+@pytest.mark.parametrize("shape", [(96, 64), (200, 288)], ids=str)
+def test_with_trans_equals_two_single_quantizations(granularity, kwargs, shape):
+    if granularity is G.MX_BLOCKWISE and shape[0] % 32:
+        pytest.skip("MX needs M to be a multiple of 32")
+    x = _input(shape)
     q, s, q_t, s_t = quantize_fp8_with_trans(x, E4M3, granularity, **kwargs)
-    assert q_t.shape == (64, 96) and q_t.is_contiguous()
+    assert q_t.shape == shape[::-1] and q_t.is_contiguous()
     if granularity is G.TENSORWISE or "scaling_recipe" in kwargs:
         single = dict(kwargs)
         assert _same_bits(q_t, q.t()) and _same_bits(s_t, s.t())
@@ -227,7 +233,9 @@ def test_opcheck(granularity, kwargs):
 
 
 @pytest.mark.parametrize(
-    "granularity,kwargs", WITH_TRANS, ids=["tensorwise", "rowwise", "blockwise", "block2d", "mx"]
+    "granularity,kwargs",
+    WITH_TRANS,
+    ids=["tensorwise", "rowwise", "blockwise32", "blockwise128", "block2d", "mx"],
 )
 def test_opcheck_with_trans(granularity, kwargs):
     x = _input((64, 96))

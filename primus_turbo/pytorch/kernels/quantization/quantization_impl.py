@@ -14,7 +14,11 @@ from typing import NamedTuple
 import torch
 
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
-from primus_turbo.triton.quantization import quantize_fp8_groups_triton, scale_cast_fp8_triton
+from primus_turbo.triton.quantization import (
+    quantize_fp8_dual_blocks_triton,
+    quantize_fp8_groups_triton,
+    scale_cast_fp8_triton,
+)
 from primus_turbo.triton.utils.device_info import interpreter_active
 
 __all__ = [
@@ -196,12 +200,28 @@ def quantize_fp8_reference(
     return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, triton_path=False)
 
 
+def _with_trans_blocks_triton(x: torch.Tensor, out_dtype: torch.dtype, block: int, mx: bool):
+    """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe)."""
+    m, k = x.shape
+    scale_dtype = torch.uint8 if mx else torch.float32
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+    q_t = torch.empty((k, m), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, -(-k // block)), dtype=scale_dtype, device=x.device)
+    scale_t = torch.empty((k, -(-m // block)), dtype=scale_dtype, device=x.device)
+    quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, mx_emax(out_dtype) if mx else None)
+    if mx:
+        scale, scale_t = scale.view(torch.float8_e8m0fnu), scale_t.view(torch.float8_e8m0fnu)
+    return q, scale, q_t, scale_t
+
+
 def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
     if granularity == _TENSORWISE or (granularity == _BLOCKWISE and block_2d):
         q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
         # copies, never views: a custom op's outputs must not alias each other
         contiguous = torch.contiguous_format
         return q, scale, q.t().clone(memory_format=contiguous), scale.t().clone(memory_format=contiguous)
+    if triton_path and granularity in (_BLOCKWISE, _MX):
+        return _with_trans_blocks_triton(x, out_dtype, block_size, granularity == _MX)
     q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
     groups = _groups(x.shape, granularity, block_size, 1, block_2d)
     q_t = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=x.device)
