@@ -119,15 +119,17 @@ class _LowPrecisionCase:
         return quantize_operands(a, w, self.config)
 
     def gemm(self, operands: tuple) -> Callable[[], torch.Tensor]:
-        if self.fp4:
-            from primus_turbo.pytorch.kernels.gemm.gemm_fp4_impl import gemm_fp4_product
+        from primus_turbo.pytorch.core.custom_op import call_op
 
-            return lambda: gemm_fp4_product(*operands, torch.bfloat16)
-        from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_product
+        if self.fp4:
+            from primus_turbo.pytorch.kernels.gemm.gemm_fp4_impl import gemm_fp4_impl
+
+            return lambda: call_op(gemm_fp4_impl, *operands, torch.bfloat16)
+        from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
 
         qa, sa, qw, sw, w_2d = operands
         gran, block = self.config.granularity.value, self.config.block_size or 0
-        return lambda: gemm_fp8_product(qa, sa, qw, sw, torch.bfloat16, gran, block, False, w_2d)
+        return lambda: call_op(gemm_fp8_impl, qa, sa, qw, sw, torch.bfloat16, gran, block, False, w_2d)
 
     def peer(self, operands: tuple) -> Callable[[], torch.Tensor] | None:
         return None if self.fp4 else scaled_mm_peer(*operands[:4], self.config)

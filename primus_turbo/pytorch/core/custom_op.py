@@ -8,9 +8,14 @@ nothing could observe the difference, and call the custom op otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 
-__all__ = ["direct_call_allowed"]
+__all__ = ["call_op", "custom_op", "direct_call_allowed"]
+
+_BODIES: dict[object, Callable[..., Any]] = {}
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -26,3 +31,21 @@ def direct_call_allowed(*tensors: torch.Tensor) -> bool:
         or torch.autograd._profiler_enabled()
         or any(type(t) not in _PLAIN_TENSOR_TYPES for t in tensors)
     )
+
+
+def custom_op(name: str, mutates_args: Iterable[str] | str = ()) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.custom_op`` that also remembers the op's Python body for ``call_op``."""
+
+    def register(body: Callable[..., Any]) -> Any:
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(body)
+        _BODIES[op] = body
+        return op
+
+    return register
+
+
+def call_op(op: Any, *args: Any) -> Any:
+    """Run custom op ``op``: its body directly where ``direct_call_allowed``, else through torch.library."""
+    if direct_call_allowed(*(a for a in args if isinstance(a, torch.Tensor))):
+        return _BODIES[op](*args)
+    return op(*args)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
-from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accumulate, gemm_product
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accum_impl, gemm_impl
 
 __all__ = ["gemm"]
 
@@ -16,8 +17,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _dgrad(grad_out, b, trans_a, trans_b, dtype):
     """Gradient of op(a) @ op(b) w.r.t. ``a``, in a's stored layout."""
     if trans_a:
-        return gemm_product(b, grad_out, trans_b, True, dtype)
-    return gemm_product(grad_out, b, False, not trans_b, dtype)
+        return call_op(gemm_impl, b, grad_out, trans_b, True, dtype)
+    return call_op(gemm_impl, grad_out, b, False, not trans_b, dtype)
 
 
 def _wgrad_operands(grad_out, a, trans_a, trans_b):
@@ -32,7 +33,7 @@ class _GemmFunction(torch.autograd.Function):
     def forward(ctx, a, b, trans_a, trans_b, out_dtype, accum_pattern):
         ctx.save_for_backward(a, b)
         ctx.trans_a, ctx.trans_b, ctx.accum_pattern = trans_a, trans_b, accum_pattern
-        return gemm_product(a, b, trans_a, trans_b, out_dtype)
+        return call_op(gemm_impl, a, b, trans_a, trans_b, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -44,10 +45,10 @@ class _GemmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             lhs, rhs, trans_lhs, trans_rhs = _wgrad_operands(grad_out, a, ctx.trans_a, ctx.trans_b)
             if ctx.accum_pattern == "megatron":
-                gemm_accumulate(lhs, rhs, b.main_grad, trans_lhs, trans_rhs)
+                call_op(gemm_accum_impl, lhs, rhs, b.main_grad, trans_lhs, trans_rhs)
                 grad_b = finish_fused_wgrad(b)
             else:
-                grad_b = gemm_product(lhs, rhs, trans_lhs, trans_rhs, b.dtype)
+                grad_b = call_op(gemm_impl, lhs, rhs, trans_lhs, trans_rhs, b.dtype)
         return grad_a, grad_b, None, None, None, None
 
 
@@ -96,4 +97,4 @@ def gemm(
     out_dtype = _check_gemm_args(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _GemmFunction.apply(a, b, trans_a, trans_b, out_dtype, fuse_bgrad_accum_pattern)
-    return gemm_product(a, b, trans_a, trans_b, out_dtype)
+    return call_op(gemm_impl, a, b, trans_a, trans_b, out_dtype)

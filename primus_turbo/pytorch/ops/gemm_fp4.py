@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.low_precision import Float4QuantConfig
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
-from primus_turbo.pytorch.kernels.gemm.gemm_fp4_impl import gemm_fp4_accumulate, gemm_fp4_product
+from primus_turbo.pytorch.kernels.gemm.gemm_fp4_impl import gemm_fp4_accum_impl, gemm_fp4_impl
 from primus_turbo.pytorch.ops.quantization import quantize_fp4, quantize_fp4_with_trans
 
 __all__ = ["gemm_fp4"]
@@ -38,7 +39,7 @@ class _GemmFp4Function(torch.autograd.Function):
         ctx.save_for_backward(qa_t, sa_t, qb_t, sb_t, b if accum_pattern == "megatron" else None)
         ctx.trans_a, ctx.trans_b, ctx.accum_pattern = trans_a, trans_b, accum_pattern
         ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
-        return gemm_fp4_product(qa, sa, qb, sb, out_dtype)
+        return call_op(gemm_fp4_impl, qa, sa, qb, sb, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -48,16 +49,16 @@ class _GemmFp4Function(torch.autograd.Function):
         grad_a = grad_b = None
         if need_a:
             if ctx.trans_a:
-                grad_a = gemm_fp4_product(qb_t, sb_t, qg, sg, ctx.a_dtype)
+                grad_a = call_op(gemm_fp4_impl, qb_t, sb_t, qg, sg, ctx.a_dtype)
             else:
-                grad_a = gemm_fp4_product(qg, sg, qb_t, sb_t, ctx.a_dtype)
+                grad_a = call_op(gemm_fp4_impl, qg, sg, qb_t, sb_t, ctx.a_dtype)
         if need_b:
             lhs, rhs = ((qg_t, sg_t), (qa_t, sa_t)) if ctx.trans_b else ((qa_t, sa_t), (qg_t, sg_t))
             if ctx.accum_pattern == "megatron":
-                gemm_fp4_accumulate(*lhs, *rhs, b.main_grad)
+                call_op(gemm_fp4_accum_impl, *lhs, *rhs, b.main_grad)
                 grad_b = finish_fused_wgrad(b)
             else:
-                grad_b = gemm_fp4_product(*lhs, *rhs, ctx.b_dtype)
+                grad_b = call_op(gemm_fp4_impl, *lhs, *rhs, ctx.b_dtype)
         return grad_a, grad_b, None, None, None, None
 
 

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.low_precision import (
     Float8QuantConfig,
@@ -33,7 +34,7 @@ from primus_turbo.pytorch.core.low_precision import (
     fp8_dtype_for,
 )
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
-from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_accumulate, gemm_fp8_product
+from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_accum_impl, gemm_fp8_impl
 from primus_turbo.pytorch.ops.quantization import QuantizedTensor, quantize_fp8, quantize_fp8_with_trans
 
 __all__ = ["gemm_fp8"]
@@ -116,8 +117,8 @@ class _GemmFp8Function(torch.autograd.Function):
         rhs = _operand(b, not trans_b, fwd_dtype, config, weight=True, other=need_a)
         block = _block(config)
         gran = config.granularity.value
-        out = gemm_fp8_product(
-            lhs.q, lhs.scale, rhs.q, rhs.scale, out_dtype, gran, block, False, rhs.block_2d
+        out = call_op(
+            gemm_fp8_impl, lhs.q, lhs.scale, rhs.q, rhs.scale, out_dtype, gran, block, False, rhs.block_2d
         )
         ctx.save_for_backward(lhs.q_other, lhs.scale_other, rhs.q_other, rhs.scale_other)
         ctx.trans_a, ctx.trans_b, ctx.rhs_2d = trans_a, trans_b, rhs.block_2d
@@ -139,12 +140,30 @@ class _GemmFp8Function(torch.autograd.Function):
         if need_a:
             # dA = G @ B from G (M, N) and B stored (K, N), both along N; a stored (K, M) gets dA^T
             if ctx.trans_a:
-                grad_a = gemm_fp8_product(
-                    b_t, b_t_scale, grad.q, grad.scale, ctx.a_dtype, gran, block, ctx.rhs_2d, False
+                grad_a = call_op(
+                    gemm_fp8_impl,
+                    b_t,
+                    b_t_scale,
+                    grad.q,
+                    grad.scale,
+                    ctx.a_dtype,
+                    gran,
+                    block,
+                    ctx.rhs_2d,
+                    False,
                 )
             else:
-                grad_a = gemm_fp8_product(
-                    grad.q, grad.scale, b_t, b_t_scale, ctx.a_dtype, gran, block, False, ctx.rhs_2d
+                grad_a = call_op(
+                    gemm_fp8_impl,
+                    grad.q,
+                    grad.scale,
+                    b_t,
+                    b_t_scale,
+                    ctx.a_dtype,
+                    gran,
+                    block,
+                    False,
+                    ctx.rhs_2d,
                 )
         if need_b:
             # dB = A^T @ G from G^T (N, M) and A^T (K, M), both along M
@@ -153,10 +172,10 @@ class _GemmFp8Function(torch.autograd.Function):
                 lhs, rhs = rhs, lhs
             if ctx.accum_pattern == "megatron":
                 b = ctx.b
-                gemm_fp8_accumulate(*lhs, *rhs, b.main_grad, gran, block, False, False)
+                call_op(gemm_fp8_accum_impl, *lhs, *rhs, b.main_grad, gran, block, False, False)
                 grad_b = finish_fused_wgrad(b)
             else:
-                grad_b = gemm_fp8_product(*lhs, *rhs, ctx.b_dtype, gran, block, False, False)
+                grad_b = call_op(gemm_fp8_impl, *lhs, *rhs, ctx.b_dtype, gran, block, False, False)
         return grad_a, grad_b, None, None, None, None, None
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
 from primus_turbo.pytorch.core.validation import check_dtype, check_tensor
 from primus_turbo.pytorch.kernels.quantization.quantization_fp4_impl import (
@@ -129,7 +130,7 @@ def quantize_fp8(
     """
     _check_input(x, out_dtype)
     block, dim, block_2d = _resolve(x.shape, granularity, block_size, axis, scaling_recipe)
-    return quantize_fp8_impl(x, out_dtype, granularity.value, block, dim, block_2d)
+    return call_op(quantize_fp8_impl, x, out_dtype, granularity.value, block, dim, block_2d)
 
 
 def dequantize_fp8(
@@ -148,7 +149,7 @@ def dequantize_fp8(
     check_tensor("scale_inv", scale_inv)
     check_dtype("out_dtype", out_dtype, _HIGH_PRECISION)
     block, dim, block_2d = _resolve(q.shape, granularity, block_size, axis, scaling_recipe)
-    return dequantize_fp8_impl(q, scale_inv, out_dtype, granularity.value, block, dim, block_2d)
+    return call_op(dequantize_fp8_impl, q, scale_inv, out_dtype, granularity.value, block, dim, block_2d)
 
 
 def quantize_fp8_with_trans(
@@ -174,7 +175,7 @@ def quantize_fp8_with_trans(
     block, _, block_2d = _resolve(x.shape, granularity, block_size, axis, scaling_recipe)
     if granularity is ScalingGranularity.MX_BLOCKWISE and x.shape[0] % _MX_BLOCK:
         raise ValueError(f"MX_BLOCKWISE with_trans needs M ({x.shape[0]}) to be a multiple of 32")
-    return quantize_fp8_with_trans_impl(x, out_dtype, granularity.value, block, block_2d)
+    return call_op(quantize_fp8_with_trans_impl, x, out_dtype, granularity.value, block, block_2d)
 
 
 def _check_fp4_layout(x: torch.Tensor, granularity: ScalingGranularity, block_size: int, axis: int) -> None:
@@ -207,7 +208,7 @@ def quantize_fp4(
     _check_fp4_layout(x, granularity, block_size, axis)
     if x.shape[-1] % _MX_BLOCK:
         raise ValueError(f"MXFP4 needs the last dimension ({x.shape[-1]}) to be a multiple of 32")
-    return quantize_fp4_impl(x)
+    return call_op(quantize_fp4_impl, x)
 
 
 def dequantize_fp4(
@@ -221,7 +222,7 @@ def dequantize_fp4(
     _check_fp4_layout(q, ScalingGranularity.MX_BLOCKWISE, _MX_BLOCK, axis)
     if scale_inv.shape != (*q.shape[:-1], 2 * q.shape[-1] // _MX_BLOCK):
         raise ValueError(f"scale_inv shape {tuple(scale_inv.shape)} does not match q {tuple(q.shape)}")
-    return dequantize_fp4_impl(q, scale_inv, out_dtype)
+    return call_op(dequantize_fp4_impl, q, scale_inv, out_dtype)
 
 
 def quantize_fp4_with_trans(
@@ -232,7 +233,7 @@ def quantize_fp4_with_trans(
     check_dtype("x.dtype", x.dtype, _HIGH_PRECISION)
     if x.shape[0] % _MX_BLOCK or x.shape[1] % _MX_BLOCK:
         raise ValueError(f"MXFP4 with_trans needs M and K to be multiples of 32, got {tuple(x.shape)}")
-    return quantize_fp4_with_trans_impl(x)
+    return call_op(quantize_fp4_with_trans_impl, x)
 
 
 @dataclass(frozen=True)

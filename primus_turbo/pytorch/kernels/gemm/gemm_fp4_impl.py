@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.custom_op import direct_call_allowed
+from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.kernels.quantization.quantization_fp4_impl import dequantize_fp4_reference
 
-__all__ = ["gemm_fp4_accumulate", "gemm_fp4_product"]
+__all__ = ["gemm_fp4_accum_impl", "gemm_fp4_impl"]
 
 
 def _operand_dtype(device: torch.device) -> torch.dtype:
@@ -28,7 +28,7 @@ def _product(a, a_scale, b, b_scale) -> torch.Tensor:
     return torch.mm(lhs, rhs.t(), out_dtype=torch.float32) if dtype != torch.float32 else lhs @ rhs.t()
 
 
-@torch.library.custom_op("primus_turbo::gemm_fp4", mutates_args=())
+@custom_op("primus_turbo::gemm_fp4", mutates_args=())
 def gemm_fp4_impl(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -41,7 +41,7 @@ def _gemm_fp4_fake(a, a_scale, b, b_scale, out_dtype):
     return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
 
 
-@torch.library.custom_op("primus_turbo::gemm_fp4_accum", mutates_args=("out",))
+@custom_op("primus_turbo::gemm_fp4_accum", mutates_args=("out",))
 def gemm_fp4_accum_impl(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out: torch.Tensor
 ) -> None:
@@ -52,18 +52,3 @@ def gemm_fp4_accum_impl(
 @gemm_fp4_accum_impl.register_fake
 def _gemm_fp4_accum_fake(a, a_scale, b, b_scale, out):
     return None
-
-
-def gemm_fp4_product(a, a_scale, b, b_scale, out_dtype) -> torch.Tensor:
-    """``primus_turbo::gemm_fp4``, with its body called directly where eager mode allows it."""
-    if direct_call_allowed(a, a_scale, b, b_scale):
-        return _product(a, a_scale, b, b_scale).to(out_dtype)
-    return gemm_fp4_impl(a, a_scale, b, b_scale, out_dtype)
-
-
-def gemm_fp4_accumulate(a, a_scale, b, b_scale, out) -> None:
-    """``primus_turbo::gemm_fp4_accum``, with its body called directly where eager mode allows it."""
-    if direct_call_allowed(a, a_scale, b, b_scale, out):
-        out.add_(_product(a, a_scale, b, b_scale))
-    else:
-        gemm_fp4_accum_impl(a, a_scale, b, b_scale, out)

@@ -22,7 +22,7 @@ from primus_turbo.pytorch.core.backend import (
     KernelBackend,
     PrecisionType,
 )
-from primus_turbo.pytorch.core.custom_op import direct_call_allowed
+from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import dequantize_fp8_reference
 from primus_turbo.triton.gemm.gemm_fp8_kernel import (
@@ -35,7 +35,7 @@ from primus_turbo.triton.gemm.gemm_fp8_kernel import (
 )
 from primus_turbo.triton.utils.device_info import interpreter_active, supports_tma
 
-__all__ = ["GemmFp8Dispatcher", "gemm_fp8_accumulate", "gemm_fp8_product"]
+__all__ = ["GemmFp8Dispatcher", "gemm_fp8_accum_impl", "gemm_fp8_impl"]
 
 _TENSORWISE = ScalingGranularity.TENSORWISE.value
 _ROWWISE = ScalingGranularity.ROWWISE.value
@@ -200,7 +200,7 @@ def _call(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d
     )
 
 
-@torch.library.custom_op("primus_turbo::gemm_fp8", mutates_args=())
+@custom_op("primus_turbo::gemm_fp8", mutates_args=())
 def gemm_fp8_impl(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -221,7 +221,7 @@ def _gemm_fp8_fake(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("primus_turbo::gemm_fp8_accum", mutates_args=("out",))
+@custom_op("primus_turbo::gemm_fp8_accum", mutates_args=("out",))
 def gemm_fp8_accum_impl(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -240,18 +240,3 @@ def gemm_fp8_accum_impl(
 @gemm_fp8_accum_impl.register_fake
 def _gemm_fp8_accum_fake(a, a_scale, b, b_scale, out, granularity, block_size, a_2d, b_2d):
     return None
-
-
-def gemm_fp8_product(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d) -> torch.Tensor:
-    """``primus_turbo::gemm_fp8``, with its body called directly where eager mode allows it."""
-    if direct_call_allowed(a, a_scale, b, b_scale):
-        return _call(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, None)
-    return gemm_fp8_impl(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d)
-
-
-def gemm_fp8_accumulate(a, a_scale, b, b_scale, out, granularity, block_size, a_2d, b_2d) -> None:
-    """``primus_turbo::gemm_fp8_accum``, with its body called directly where eager mode allows it."""
-    if direct_call_allowed(a, a_scale, b, b_scale, out):
-        _call(a, a_scale, b, b_scale, out.dtype, granularity, block_size, a_2d, b_2d, out)
-    else:
-        gemm_fp8_accum_impl(a, a_scale, b, b_scale, out, granularity, block_size, a_2d, b_2d)

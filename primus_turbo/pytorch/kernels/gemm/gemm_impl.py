@@ -20,16 +20,14 @@ from primus_turbo.pytorch.core.backend import (
     KernelBackend,
     precision_of,
 )
-from primus_turbo.pytorch.core.custom_op import direct_call_allowed
+from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
 from primus_turbo.triton.utils.device_info import interpreter_active
 
 __all__ = [
     "GemmDispatcher",
     "gemm_accum_impl",
-    "gemm_accumulate",
     "gemm_impl",
-    "gemm_product",
     "last_selected_backend",
 ]
 
@@ -181,7 +179,7 @@ def _gemm_call(a, b, trans_a, trans_b, out_dtype, out) -> torch.Tensor:
     )
 
 
-@torch.library.custom_op("primus_turbo::gemm", mutates_args=())
+@custom_op("primus_turbo::gemm", mutates_args=())
 def gemm_impl(
     a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -195,7 +193,7 @@ def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
     return a.new_empty((m, n), dtype=out_dtype)
 
 
-@torch.library.custom_op("primus_turbo::gemm_accum", mutates_args=("out",))
+@custom_op("primus_turbo::gemm_accum", mutates_args=("out",))
 def gemm_accum_impl(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool
 ) -> None:
@@ -206,22 +204,3 @@ def gemm_accum_impl(
 @gemm_accum_impl.register_fake
 def _gemm_accum_fake(a, b, out, trans_a, trans_b):
     return None
-
-
-def gemm_product(
-    a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """``primus_turbo::gemm``, with its body called directly where eager mode allows it."""
-    if direct_call_allowed(a, b):
-        return _gemm_call(a, b, trans_a, trans_b, out_dtype, None)
-    return gemm_impl(a, b, trans_a, trans_b, out_dtype)
-
-
-def gemm_accumulate(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool
-) -> None:
-    """``primus_turbo::gemm_accum``, with its body called directly where eager mode allows it."""
-    if direct_call_allowed(a, b, out):
-        _gemm_call(a, b, trans_a, trans_b, out.dtype, out)
-    else:
-        gemm_accum_impl(a, b, out, trans_a, trans_b)

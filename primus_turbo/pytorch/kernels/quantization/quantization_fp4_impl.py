@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import e8m0_scales_from_amax
 from primus_turbo.triton.quantization import quantize_fp4_rows_triton
 from primus_turbo.triton.utils.device_info import interpreter_active
@@ -80,7 +81,7 @@ def quantize_fp4_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return _quantize(x, triton_path=False)
 
 
-@torch.library.custom_op("primus_turbo::quantize_fp4", mutates_args=())
+@custom_op("primus_turbo::quantize_fp4", mutates_args=())
 def quantize_fp4_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of ``x`` along its last dimension."""
     return _quantize(x, _use_triton(x))
@@ -95,7 +96,7 @@ def _quantize_fp4_fake(x):
     )
 
 
-@torch.library.custom_op("primus_turbo::quantize_fp4_with_trans", mutates_args=())
+@custom_op("primus_turbo::quantize_fp4_with_trans", mutates_args=())
 def quantize_fp4_with_trans_impl(
     x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,7 +130,7 @@ def dequantize_fp4_reference(
     return (values * scale).to(out_dtype)
 
 
-@torch.library.custom_op("primus_turbo::dequantize_fp4", mutates_args=())
+@custom_op("primus_turbo::dequantize_fp4", mutates_args=())
 def dequantize_fp4_impl(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``q * scale_inv`` with (..., 2 * q.shape[-1]) elements in ``out_dtype``."""
     return dequantize_fp4_reference(q, scale_inv, out_dtype)

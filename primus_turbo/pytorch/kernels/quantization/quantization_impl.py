@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.triton.quantization import (
     quantize_fp8_dual_blocks_triton,
@@ -236,7 +237,7 @@ def quantize_fp8_with_trans_reference(
     return _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path=False)
 
 
-@torch.library.custom_op("primus_turbo::quantize_fp8", mutates_args=())
+@custom_op("primus_turbo::quantize_fp8", mutates_args=())
 def quantize_fp8_impl(
     x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, axis: int, block_2d: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +260,7 @@ def _quantize_fp8_fake(x, out_dtype, granularity, block_size, axis, block_2d):
     return q, x.new_empty(moved, dtype=dtype).movedim(-1, groups.axis)
 
 
-@torch.library.custom_op("primus_turbo::quantize_fp8_with_trans", mutates_args=())
+@custom_op("primus_turbo::quantize_fp8_with_trans", mutates_args=())
 def quantize_fp8_with_trans_impl(
     x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, block_2d: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -308,7 +309,7 @@ def dequantize_fp8_reference(
     return (q.float() * scale).to(out_dtype)
 
 
-@torch.library.custom_op("primus_turbo::dequantize_fp8", mutates_args=())
+@custom_op("primus_turbo::dequantize_fp8", mutates_args=())
 def dequantize_fp8_impl(
     q: torch.Tensor,
     scale_inv: torch.Tensor,
