@@ -1,6 +1,7 @@
 """FP8 GEMM ``C (+)= (A * sa) @ (B * sb)^T`` in Triton for the NT layout, fp32 accumulation.
 
-A (M, K) and B (N, K) are row-major FP8 read through TMA descriptors by a persistent kernel. Scale
+A (M, K) and B (N, K) are row-major FP8 read by a persistent kernel, through TMA descriptors where the
+GPU has them (Hopper and newer) and with masked pointer loads elsewhere (ROCm, the interpreter). Scale
 modes per operand: 0 one scale, 1 one per row, 2 one per (row, K-block), 3 one per (row-block,
 K-block) (B only: 128 x 128 weight tiles). Modes 0 and 1 scale the finished tile once; modes 2 and 3
 scale each K-block's partial product before it is added (the DeepSeek-V3 recipe), so BLOCK_K equals
@@ -15,7 +16,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
-from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
+from primus_turbo.triton.utils.device_info import (
+    interpreter_active,
+    kernel_autotune_enabled,
+    num_sms,
+    supports_tma,
+)
 
 __all__ = [
     "SCALE_BLOCK_2D",
@@ -32,6 +38,14 @@ SCALE_TENSOR, SCALE_ROW, SCALE_BLOCKS, SCALE_BLOCK_2D = 0, 1, 2, 3
 def _configs() -> list[triton.Config]:
     if interpreter_active():
         shapes = [(32, 32, 32, 4, 1, 4)]
+    elif torch.version.hip is not None:
+        # CDNA3/4: two LDS stages, 128-wide K blocks for the FP8 matrix cores
+        shapes = [
+            (256, 256, 128, 8, 2, 8),
+            (128, 128, 128, 8, 2, 8),
+            (128, 128, 128, 8, 2, 4),
+            (64, 128, 128, 8, 2, 4),
+        ]
     else:
         shapes = [
             (128, 256, 128, 8, 3, 8),
@@ -52,8 +66,9 @@ def _configs() -> list[triton.Config]:
 
 
 def _set_block_shapes(nargs: dict) -> None:
-    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs["USE_TMA"]:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
@@ -110,7 +125,7 @@ def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, 
 
 @triton.autotune(
     configs=_configs(),
-    key=["M", "N", "K", "A_MODE", "B_MODE", "SCALE_BLOCK", "ACCUMULATE", "DTYPES"],
+    key=["M", "N", "K", "A_MODE", "B_MODE", "SCALE_BLOCK", "ACCUMULATE", "DTYPES", "USE_TMA"],
     prune_configs_by={"early_config_prune": _prune},
     pre_hook=_keep_output.save,
     post_hook=_keep_output.restore,
@@ -125,6 +140,8 @@ def _gemm_fp8_kernel(
     M,
     N,
     K,
+    stride_am,
+    stride_bn,
     stride_cm,
     stride_cn,
     stride_as_r,
@@ -137,6 +154,7 @@ def _gemm_fp8_kernel(
     SCALE_BLOCK: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     DTYPES: tl.constexpr,
+    USE_TMA: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -154,8 +172,18 @@ def _gemm_fp8_kernel(
         n_ok = rows_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
-            a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-            b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            if USE_TMA:
+                a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            else:
+                ks = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+                k_ok = (ks < K)[None, :]
+                a = tl.load(
+                    a_desc + rows_m[:, None] * stride_am + ks[None, :], mask=m_ok[:, None] & k_ok, other=0.0
+                )
+                b = tl.load(
+                    b_desc + rows_n[:, None] * stride_bn + ks[None, :], mask=n_ok[:, None] & k_ok, other=0.0
+                )
             if PER_BLOCK:
                 sa = _load_scales(
                     a_scale_ptr, rows_m, m_ok, ki, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK
@@ -187,12 +215,14 @@ def gemm_fp8_triton(
     out: torch.Tensor,
     scale_block: int = 0,
     accumulate: bool = False,
+    use_tma: bool | None = None,
 ) -> torch.Tensor:
     """Write ``(a * a_scale) @ (b * b_scale)^T`` into ``out`` (``+=`` when ``accumulate``).
 
-    ``a`` (M, K) and ``b`` (N, K) are row-major FP8 with 16-byte aligned rows. Scales are fp32 tensors:
-    0-d (mode 0), (rows, 1) (mode 1), (rows, K / scale_block) (mode 2) or
-    (rows / scale_block, K / scale_block) (mode 3), any strides.
+    ``a`` (M, K) and ``b`` (N, K) are FP8 with unit stride along K. Scales are fp32 tensors: 0-d (mode
+    0), (rows, 1) (mode 1), (rows, K / scale_block) (mode 2) or (rows / scale_block, K / scale_block)
+    (mode 3), any strides. ``use_tma=None`` reads through TMA descriptors wherever the GPU and the
+    operands' alignment allow it.
     """
     m, n = out.shape
     k = a.shape[1]
@@ -201,33 +231,54 @@ def gemm_fp8_triton(
     if k == 0:
         return out if accumulate else out.zero_()
     sms = num_sms(out.device)
+    if use_tma is None:
+        use_tma = supports_tma(out.device) and all(
+            t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
+        )
 
     def strides(scale: torch.Tensor) -> tuple[int, int]:
         return (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
 
-    args = (m, n, k, out.stride(0), out.stride(1), *strides(a_scale), *strides(b_scale))
+    args = (
+        m,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *strides(a_scale),
+        *strides(b_scale),
+    )
     flags = dict(A_MODE=a_mode, B_MODE=b_mode, PER_BLOCK=a_mode >= SCALE_BLOCKS or b_mode >= SCALE_BLOCKS)
     flags.update(SCALE_BLOCK=scale_block, ACCUMULATE=accumulate, DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}")
-    flags.update(NUM_SMS=sms)
-    key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], out.device)
+    flags.update(USE_TMA=use_tma, NUM_SMS=sms)
+    key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], use_tma, out.device)
     chosen = _chosen.get(key)
     if chosen is None:
         placeholder = [1, 1]
-        descs = (TensorDescriptor.from_tensor(a, placeholder), TensorDescriptor.from_tensor(b, placeholder))
+        operands = (
+            (TensorDescriptor.from_tensor(a, placeholder), TensorDescriptor.from_tensor(b, placeholder))
+            if use_tma
+            else (a, b)
+        )
 
         def grid(meta: dict) -> tuple[int]:
             return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
 
-        _gemm_fp8_kernel[grid](*descs, out, a_scale, b_scale, *args, **flags)
+        _gemm_fp8_kernel[grid](*operands, out, a_scale, b_scale, *args, **flags)
         best = _gemm_fp8_kernel.best_config
         _chosen[key] = (best, {**flags, **best.all_kwargs()})
         return out
     config, launch_kwargs = chosen
     bm, bn, bk = (config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    descs = (
-        TensorDescriptor(a, a.shape, a.stride(), [bm, bk]),
-        TensorDescriptor(b, b.shape, b.stride(), [bn, bk]),
-    )
+    if use_tma:
+        operands = (
+            TensorDescriptor(a, a.shape, a.stride(), [bm, bk]),
+            TensorDescriptor(b, b.shape, b.stride(), [bn, bk]),
+        )
+    else:
+        operands = (a, b)
     grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
-    _gemm_fp8_kernel.fn[grid](*descs, out, a_scale, b_scale, *args, **launch_kwargs)
+    _gemm_fp8_kernel.fn[grid](*operands, out, a_scale, b_scale, *args, **launch_kwargs)
     return out

@@ -33,7 +33,7 @@ from primus_turbo.triton.gemm.gemm_fp8_kernel import (
     gemm_fp8_triton,
     supported_scale_blocks,
 )
-from primus_turbo.triton.utils.device_info import interpreter_active, supports_tma
+from primus_turbo.triton.utils.device_info import interpreter_active
 
 __all__ = ["GemmFp8Dispatcher", "gemm_fp8_accum_impl", "gemm_fp8_impl"]
 
@@ -109,7 +109,8 @@ def _triton_mode(granularity: int, block_2d: bool) -> int:
 
 
 class TritonGemmFp8Backend(KernelBackend):
-    """This library's persistent TMA FP8 kernel: tensorwise, row-wise and block scaling (1-D or 2-D)."""
+    """This library's persistent FP8 kernel (TMA loads on Hopper, pointer loads elsewhere): tensorwise,
+    row-wise and block scaling (1-D or 2-D)."""
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -121,12 +122,8 @@ class TritonGemmFp8Backend(KernelBackend):
     def unsupported_reason(cls, a, b, out_dtype, granularity, block_size, out=None, **_: Any) -> str | None:
         if a.device.type == "cpu" and not interpreter_active():
             return "CPU tensors need TRITON_INTERPRET=1"
-        if not supports_tma(a.device):
-            return "needs TMA descriptors (NVIDIA sm_90+)"
         if granularity == _MX:
             return "MX scaling runs on the TORCH backend on GPUs without MX tensor cores"
-        if a.shape[1] % 16:
-            return f"needs K to be a multiple of 16 (TMA row alignment), got {a.shape[1]}"
         if granularity == _BLOCKWISE and block_size not in supported_scale_blocks():
             return f"has no config for block size {block_size} (has {sorted(supported_scale_blocks())})"
         if granularity == _BLOCKWISE and a.shape[1] % block_size:
