@@ -1,5 +1,6 @@
 """``nn.Module`` wrappers over Turbo ops."""
 
 from primus_turbo.pytorch.modules.linear import Float8Linear, Linear
+from primus_turbo.pytorch.modules.normalization import RMSNorm
 
-__all__ = ["Float8Linear", "Linear"]
+__all__ = ["Float8Linear", "Linear", "RMSNorm"]

@@ -3,6 +3,7 @@
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
+from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_residual
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
     dequantize_fp4,
@@ -24,4 +25,6 @@ __all__ = [
     "quantize_fp4_with_trans",
     "quantize_fp8",
     "quantize_fp8_with_trans",
+    "rmsnorm",
+    "rmsnorm_residual",
 ]

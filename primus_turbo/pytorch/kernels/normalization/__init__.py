@@ -1,0 +1,1 @@
+"""Normalization custom ops."""

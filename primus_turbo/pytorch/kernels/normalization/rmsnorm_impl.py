@@ -1,0 +1,101 @@
+"""RMSNorm custom ops ``primus_turbo::rmsnorm_fwd`` / ``rmsnorm_residual_fwd`` / ``rmsnorm_bwd`` on 2-D
+(rows, H) views: the Triton kernels on GPUs (and under the interpreter), the TORCH reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fwd_triton
+from primus_turbo.triton.utils.device_info import interpreter_active
+
+__all__ = [
+    "rmsnorm_bwd_impl",
+    "rmsnorm_bwd_reference",
+    "rmsnorm_fwd_impl",
+    "rmsnorm_fwd_reference",
+    "rmsnorm_residual_fwd_impl",
+]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+
+
+def _weight(gamma: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    return gamma.float() + 1.0 if zero_centered else gamma.float()
+
+
+def rmsnorm_fwd_reference(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, s, rstd)`` in fp32 math: ``s = x (+ residual)`` in x's dtype, ``y = s * rstd * w``."""
+    s32 = x.float() if residual is None else x.float() + residual.float()
+    s = x if residual is None else s32.to(x.dtype).contiguous()
+    rstd = torch.rsqrt(s32.square().mean(dim=-1) + eps)
+    y = (s32 * rstd[:, None] * _weight(gamma, zero_centered)).to(x.dtype).contiguous()
+    return y, s, rstd
+
+
+def rmsnorm_bwd_reference(
+    dy: torch.Tensor, s: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dgamma)``; dgamma in fp32."""
+    s_hat = s.float() * rstd[:, None]
+    wdy = _weight(gamma, zero_centered) * dy.float()
+    dx = rstd[:, None] * (wdy - s_hat * (s_hat * wdy).mean(dim=-1, keepdim=True))
+    return dx.to(s.dtype).contiguous(), (dy.float() * s_hat).sum(dim=0)
+
+
+def _fwd(x, gamma, eps, zero_centered, residual):
+    if _use_triton(x):
+        return rmsnorm_fwd_triton(x, gamma, eps, zero_centered, residual)
+    return rmsnorm_fwd_reference(x, gamma, eps, zero_centered, residual)
+
+
+@custom_op("primus_turbo::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd_impl(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` of 2-D ``x`` (rows, H)."""
+    y, _, rstd = _fwd(x, gamma, eps, zero_centered, None)
+    return y, rstd
+
+
+@rmsnorm_fwd_impl.register_fake
+def _rmsnorm_fwd_fake(x, gamma, eps, zero_centered):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@custom_op("primus_turbo::rmsnorm_residual_fwd", mutates_args=())
+def rmsnorm_residual_fwd_impl(
+    x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, x + residual, rstd)`` of 2-D ``x`` and ``residual`` (rows, H)."""
+    return _fwd(x, gamma, eps, zero_centered, residual)
+
+
+@rmsnorm_residual_fwd_impl.register_fake
+def _rmsnorm_residual_fwd_fake(x, residual, gamma, eps, zero_centered):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return y, torch.empty_like(y), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@custom_op("primus_turbo::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd_impl(
+    dy: torch.Tensor, s: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dgamma)`` with dgamma in fp32, reduced over rows in a fixed order."""
+    if _use_triton(s):
+        return rmsnorm_bwd_triton(dy, s, gamma, rstd, zero_centered)
+    return rmsnorm_bwd_reference(dy, s, gamma, rstd, zero_centered)
+
+
+@rmsnorm_bwd_impl.register_fake
+def _rmsnorm_bwd_fake(dy, s, gamma, rstd, zero_centered):
+    return torch.empty(s.shape, dtype=s.dtype, device=s.device), s.new_empty(s.shape[1], dtype=torch.float32)

@@ -1,0 +1,184 @@
+"""RMSNorm over the last dimension in Triton, fp32 math, optionally fused with a residual add.
+
+Forward: ``s = x (+ residual)``, ``rstd = 1 / sqrt(mean(s^2) + eps)``, ``y = s * rstd * w`` with
+``w = gamma`` (or ``1 + gamma`` when zero-centred). Backward: ``dx = rstd * (w * dy - s_hat *
+mean(s_hat * w * dy))`` with ``s_hat = s * rstd``, and ``dgamma = sum over rows of dy * s_hat``, which
+each program accumulates for its rows and writes once, so the final sum over programs is a fixed-order
+(deterministic) reduction.
+
+A program handles ``ROWS`` rows of ``BLOCK_H >= H`` columns (masked), so any hidden size, power of two
+or not, is a single pass over memory; rows may be strided.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from primus_turbo.triton.utils.device_info import num_sms
+
+__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fwd_triton"]
+
+_ELEMENTS_PER_PROGRAM = 8192
+_BWD_PROGRAMS_PER_SM = 4  # backward programs loop over row blocks; dgamma partials stay small
+
+
+def _launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_H, ROWS per program, warps): about 8K elements per program."""
+    block_h = triton.next_power_of_2(hidden)
+    rows_per_program = max(1, min(16, _ELEMENTS_PER_PROGRAM // block_h))
+    warps = max(4, min(16, block_h * rows_per_program // 1024))
+    return block_h, rows_per_program, warps
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(
+    x_ptr,
+    r_ptr,
+    gamma_ptr,
+    y_ptr,
+    s_ptr,
+    rstd_ptr,
+    n_rows,
+    H,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < H)[None, :]
+    s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        s += tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], s.to(s_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / H + eps)
+    w = tl.load(gamma_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w += 1.0
+    y = s * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    dy_ptr,
+    s_ptr,
+    gamma_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dgamma_partial_ptr,
+    n_rows,
+    H,
+    stride_dy,
+    stride_s,
+    stride_dx,
+    ZERO_CENTERED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Each program walks row blocks pid, pid + programs, ... and writes one dgamma partial."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w += 1.0
+    dgamma = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for first in range(pid * ROWS, n_rows, programs * ROWS):
+        rows = (first + tl.arange(0, ROWS)).to(tl.int64)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        s_hat = s * rstd[:, None]
+        wdy = w[None, :] * dy
+        mean = tl.sum(s_hat * wdy, axis=1) / H
+        dx = rstd[:, None] * (wdy - s_hat * mean[:, None])
+        tl.store(
+            dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
+        )
+        dgamma += tl.sum(dy * s_hat, axis=0)
+    tl.store(dgamma_partial_ptr + pid * BLOCK_H + cols, dgamma, mask=col_ok)
+
+
+def rmsnorm_fwd_triton(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, s, rstd)`` for 2-D ``x`` (rows, H) with unit column stride; ``s = x + residual`` (``x``
+    itself without a residual), ``rstd`` fp32 per row."""
+    n_rows, hidden = x.shape
+    y = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if residual is not None else x
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0 or hidden == 0:
+        return y, s, rstd
+    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    r = residual if residual is not None else x
+    _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows_per_program),)](
+        x,
+        r,
+        gamma,
+        y,
+        s,
+        rstd,
+        n_rows,
+        hidden,
+        x.stride(0),
+        r.stride(0),
+        y.stride(0),
+        s.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        ZERO_CENTERED=zero_centered,
+        ROWS=rows_per_program,
+        BLOCK_H=block_h,
+        num_warps=warps,
+    )
+    return y, s, rstd
+
+
+def rmsnorm_bwd_triton(
+    dy: torch.Tensor, s: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dgamma)`` of 2-D ``dy``/``s`` (rows, H); ``dgamma`` in fp32, summed in a fixed order."""
+    n_rows, hidden = s.shape
+    dx = torch.empty((n_rows, hidden), dtype=s.dtype, device=s.device)
+    if n_rows == 0 or hidden == 0:
+        return dx, torch.zeros(hidden, dtype=torch.float32, device=s.device)
+    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    programs = min(triton.cdiv(n_rows, rows_per_program), _BWD_PROGRAMS_PER_SM * num_sms(s.device))
+    partial = torch.empty((programs, block_h), dtype=torch.float32, device=s.device)
+    _rmsnorm_bwd_kernel[(programs,)](
+        dy,
+        s,
+        gamma,
+        rstd,
+        dx,
+        partial,
+        n_rows,
+        hidden,
+        dy.stride(0),
+        s.stride(0),
+        dx.stride(0),
+        ZERO_CENTERED=zero_centered,
+        ROWS=rows_per_program,
+        BLOCK_H=block_h,
+        num_warps=warps,
+    )
+    return dx, partial[:, :hidden].sum(dim=0)

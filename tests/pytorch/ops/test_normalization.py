@@ -1,0 +1,138 @@
+"""RMSNorm and the fused residual variant: forward and backward against the fp64 reference, odd and
+real hidden sizes, strided rows, zero rows, determinism, the op contract and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.kernels.normalization import rmsnorm_impl as impl
+from primus_turbo.pytorch.modules import RMSNorm
+from primus_turbo.pytorch.ops import rmsnorm, rmsnorm_residual
+from tests.pytorch.test_utils import DEVICES, get_tolerances
+
+DEVICE = DEVICES[0]
+ON_GPU = DEVICE == "cuda"
+SHAPES = [(5, 96), (3, 2880), (2, 7, 64), (0, 64), (1, 5120)]
+if ON_GPU:
+    SHAPES += [(4096, 8192), (1024, 16384), (8192, 7168)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _reference(x, gamma, eps, zero_centered, residual=None):
+    s = x.double() if residual is None else x.double() + residual.double()
+    w = gamma.double() + 1 if zero_centered else gamma.double()
+    return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps) * w, s
+
+
+def _tensors(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(DEVICE, dtype).requires_grad_()
+    gamma = (torch.rand(shape[-1], generator=gen) + 0.5).to(DEVICE, dtype).requires_grad_()
+    grad = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    return x, gamma, grad
+
+
+def _assert_close(actual, expected, dtype):
+    tol = get_tolerances(dtype)
+    # gamma's gradient sums over every row: compare relative to the reference's scale
+    scale = max(expected.abs().max().item(), 1.0) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double() / scale, expected / scale, **tol)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["w", "1+w"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rmsnorm_forward_backward(shape, dtype, zero_centered):
+    x, gamma, grad = _tensors(shape, dtype)
+    y = rmsnorm(x, gamma, 1e-6, zero_centered)
+    y.backward(grad)
+    x64, g64 = x.detach().double().requires_grad_(), gamma.detach().double().requires_grad_()
+    expected, _ = _reference(x64, g64, 1e-6, zero_centered)
+    expected.backward(grad.double())
+    assert y.shape == x.shape and y.dtype == dtype
+    _assert_close(y, expected.detach(), dtype)
+    _assert_close(x.grad, x64.grad, dtype)
+    _assert_close(gamma.grad, g64.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_rmsnorm_residual_forward_backward(shape, dtype):
+    x, gamma, grad = _tensors(shape, dtype)
+    residual = _tensors(shape, dtype, seed=1)[0]
+    y, s = rmsnorm_residual(x, residual, gamma)
+    (y.float() * grad.float()).sum().add((s.float() * 2).sum()).backward()
+    leaves = [t.detach().double().requires_grad_() for t in (x, residual, gamma)]
+    expected_y, expected_s = _reference(*leaves[:1], leaves[2], 1e-6, False, leaves[1])
+    (expected_y * grad.double()).sum().add((expected_s * 2).sum()).backward()
+    _assert_close(y, expected_y.detach(), dtype)
+    _assert_close(s, expected_s.detach(), dtype)
+    for actual, leaf in zip((x, residual, gamma), leaves, strict=True):
+        _assert_close(actual.grad, leaf.grad, dtype)
+
+
+def test_strided_rows_need_no_copy():
+    wide = torch.randn(6, 160, device=DEVICE)
+    x = wide[:, :96]
+    gamma = torch.rand(96, device=DEVICE) + 0.5
+    expected, _ = _reference(x, gamma, 1e-6, False)
+    _assert_close(rmsnorm(x, gamma), expected, torch.float32)
+
+
+def test_module_matches_torch_rmsnorm():
+    layer = RMSNorm(64, eps=1e-5, device=DEVICE)
+    ref = torch.nn.RMSNorm(64, eps=1e-5, device=DEVICE)
+    x = torch.randn(3, 4, 64, device=DEVICE)
+    torch.testing.assert_close(layer(x), ref(x), **get_tolerances(torch.float32))
+    assert "zero_centered=False" in repr(layer)
+    assert torch.all(RMSNorm(8, zero_centered=True).weight == 0)
+
+
+@pytest.mark.deterministic
+def test_rmsnorm_backward_is_deterministic():
+    x, gamma, grad = _tensors((257, 320), torch.bfloat16)
+    results = []
+    for _ in range(10):
+        x.grad = gamma.grad = None
+        rmsnorm(x, gamma).backward(grad)
+        results.append((x.grad.clone(), gamma.grad.clone()))
+    for dx, dgamma in results[1:]:
+        assert torch.equal(dx, results[0][0]) and torch.equal(dgamma, results[0][1])
+
+
+def test_opcheck_and_compile():
+    x = torch.randn(6, 96, device=DEVICE)
+    gamma = torch.rand(96, device=DEVICE) + 0.5
+    torch.library.opcheck(impl.rmsnorm_fwd_impl, (x, gamma, 1e-6, False))
+    torch.library.opcheck(impl.rmsnorm_residual_fwd_impl, (x, x.flip(0), gamma, 1e-6, True))
+    y, rstd = impl.rmsnorm_fwd_impl(x, gamma, 1e-6, False)
+    torch.library.opcheck(impl.rmsnorm_bwd_impl, (torch.randn_like(y), x, gamma, rstd, False))
+
+    def step(x, r, gamma):
+        y, s = rmsnorm_residual(x, r, gamma)
+        return rmsnorm(y, gamma).sum() + s.sum()
+
+    leaves = [t.clone().requires_grad_() for t in (x, x.flip(0), gamma)]
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    eager = [t.clone().requires_grad_() for t in (x, x.flip(0), gamma)]
+    step(*eager).backward()
+    for a, b in zip(leaves, eager, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x, g: rmsnorm(x, g[:-1]), ValueError, "last dimension"),
+        (lambda x, g: rmsnorm(x.int(), g), TypeError, "x.dtype"),
+        (lambda x, g: rmsnorm(x, g[None]), ValueError, "1-D"),
+        (lambda x, g: rmsnorm(x, g, eps=-1.0), ValueError, "eps"),
+        (lambda x, g: rmsnorm(x, g, zero_centered=1), TypeError, "zero_centered"),
+        (lambda x, g: rmsnorm_residual(x, x[:-1], g), ValueError, "residual must match"),
+        (lambda x, g: rmsnorm_residual(x, x.double(), g), ValueError, "residual must match"),
+    ],
+)
+def test_bad_input_raises_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.randn(4, 32, device=DEVICE), torch.ones(32, device=DEVICE))
