@@ -1,5 +1,6 @@
 """Public operators: ``primus_turbo.pytorch.ops.<op>``."""
 
+from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu, swiglu_with_probs
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
@@ -18,6 +19,8 @@ __all__ = [
     "QuantizedTensor",
     "dequantize_fp4",
     "dequantize_fp8",
+    "geglu",
+    "geglu_with_probs",
     "gemm",
     "gemm_fp4",
     "gemm_fp8",
@@ -27,4 +30,6 @@ __all__ = [
     "quantize_fp8_with_trans",
     "rmsnorm",
     "rmsnorm_residual",
+    "swiglu",
+    "swiglu_with_probs",
 ]

@@ -1,0 +1,1 @@
+"""Gated-activation custom ops."""

@@ -1,0 +1,79 @@
+"""Gated-activation custom ops ``primus_turbo::gated_act_fwd`` / ``gated_act_bwd`` on 2-D (rows, 2H)
+inputs: the Triton kernels on GPUs (and under the interpreter), the TORCH reference elsewhere.
+
+``act`` is 0 for SiLU (SwiGLU) and 1 for tanh-approximated GELU (GeGLU); ``probs`` and ``row_mask`` are
+optional per-row tensors (routing probabilities, valid rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.triton.activation import GELU_TANH, SILU, gated_act_bwd_triton, gated_act_fwd_triton
+from primus_turbo.triton.utils.device_info import interpreter_active
+
+__all__ = ["GELU_TANH", "SILU", "gated_act_bwd_impl", "gated_act_fwd_impl", "gated_act_reference"]
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+
+
+def _act(a: torch.Tensor, act: int) -> torch.Tensor:
+    if act == SILU:
+        return torch.nn.functional.silu(a)
+    return 0.5 * a * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a.pow(3))))
+
+
+def gated_act_reference(
+    x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
+) -> torch.Tensor:
+    """``act(a) * b (* probs)`` in fp32 from ``x = [a, b]``, zero on masked rows (differentiable)."""
+    a, b = x.float().chunk(2, dim=-1)
+    out = _act(a, act) * b
+    if probs is not None:
+        out = out * probs.float()[:, None]
+    if row_mask is not None:
+        out = out * row_mask[:, None]
+    return out
+
+
+@custom_op("primus_turbo::gated_act_fwd", mutates_args=())
+def gated_act_fwd_impl(
+    x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
+) -> torch.Tensor:
+    """``act(x[:, :H]) * x[:, H:] (* probs)`` as a (rows, H) tensor of x's dtype."""
+    if _use_triton(x):
+        return gated_act_fwd_triton(x, probs, row_mask, act)
+    return gated_act_reference(x, probs, row_mask, act).to(x.dtype)
+
+
+@gated_act_fwd_impl.register_fake
+def _gated_act_fwd_fake(x, probs, row_mask, act):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+@custom_op("primus_turbo::gated_act_bwd", mutates_args=())
+def gated_act_bwd_impl(
+    dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dprobs)``: dprobs fp32 per row, empty when ``probs`` is None."""
+    if _use_triton(x):
+        return gated_act_bwd_triton(dy, x, probs, row_mask, act)
+    leaf = x.detach().float().requires_grad_()
+    p = probs.detach().float().requires_grad_() if probs is not None else None
+    with torch.enable_grad():
+        out = gated_act_reference(leaf, p, row_mask, act)
+        grads = torch.autograd.grad(out, [leaf] + ([p] if p is not None else []), dy.float())
+    dprobs = grads[1] if p is not None else x.new_empty(0, dtype=torch.float32)
+    return grads[0].to(x.dtype), dprobs
+
+
+@gated_act_bwd_impl.register_fake
+def _gated_act_bwd_fake(dy, x, probs, row_mask, act):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0] if probs is not None else 0, dtype=torch.float32)

@@ -1,0 +1,95 @@
+"""Gated activations with autograd: ``swiglu``, ``geglu`` and the MoE variants ``swiglu_with_probs``,
+``geglu_with_probs``.
+
+``x`` is [tokens, 2H] (gate half first, then the linear half, as Megatron's fused ``fc1`` output); the
+result is ``act(x[:, :H]) * x[:, H:]``, times ``probs[:, None]`` for the MoE variants. ``act`` is SiLU
+for SwiGLU and the tanh approximation of GELU for GeGLU. ``row_mask`` (bool [tokens]) marks valid rows:
+the others are not computed and get zero output and zero gradients (expert-capacity padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
+from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
+    GELU_TANH,
+    SILU,
+    gated_act_bwd_impl,
+    gated_act_fwd_impl,
+)
+
+__all__ = ["geglu", "geglu_with_probs", "swiglu", "swiglu_with_probs"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _GatedActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, row_mask, act):
+        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+        out = call_op(gated_act_fwd_impl, x2d, probs, row_mask, act)
+        ctx.save_for_backward(x2d, probs, row_mask)
+        ctx.act, ctx.shape = act, x.shape
+        return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, probs, row_mask = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx, dprobs = call_op(gated_act_bwd_impl, dy2d.contiguous(), x2d, probs, row_mask, ctx.act)
+        grad_probs = dprobs.to(probs.dtype) if probs is not None and ctx.needs_input_grad[1] else None
+        return dx.view(ctx.shape), grad_probs, None, None
+
+
+def _check(x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None) -> None:
+    check_tensor("x", x)
+    check_dtype("x.dtype", x.dtype, _DTYPES)
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x's last dimension must be even ([..., 2H]), got shape {tuple(x.shape)}")
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if probs is not None:
+        check_tensor("probs", probs, dim=1)
+        check_dtype("probs.dtype", probs.dtype, _DTYPES)
+        check_same_device(x=x, probs=probs)
+        if x.dim() != 2 or probs.shape[0] != tokens:
+            raise ValueError(
+                f"probs must be [tokens] for x [tokens, 2H], got {tuple(probs.shape)} and {tuple(x.shape)}"
+            )
+    if row_mask is not None:
+        check_tensor("row_mask", row_mask, dim=1)
+        check_dtype("row_mask.dtype", row_mask.dtype, (torch.bool,))
+        check_same_device(x=x, row_mask=row_mask)
+        if x.dim() != 2 or row_mask.shape[0] != tokens:
+            raise ValueError(f"row_mask must be [tokens] for x [tokens, 2H], got {tuple(row_mask.shape)}")
+
+
+def _gated(x, probs, row_mask, act) -> torch.Tensor:
+    _check(x, probs, row_mask)
+    return _GatedActFunction.apply(x, probs, row_mask, act)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :H]) * x[..., H:]`` for ``x`` [..., 2H]."""
+    return _gated(x, None, None, SILU)
+
+
+def geglu(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[..., :H]) * x[..., H:]`` for ``x`` [..., 2H]."""
+    return _gated(x, None, None, GELU_TANH)
+
+
+def swiglu_with_probs(
+    x: torch.Tensor, probs: torch.Tensor, row_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu(a) * b * probs[:, None]`` for ``x = [a, b]`` [tokens, 2H]; gradients reach x and probs."""
+    return _gated(x, probs, row_mask, SILU)
+
+
+def geglu_with_probs(
+    x: torch.Tensor, probs: torch.Tensor, row_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``gelu_tanh(a) * b * probs[:, None]`` for ``x = [a, b]`` [tokens, 2H]."""
+    return _gated(x, probs, row_mask, GELU_TANH)

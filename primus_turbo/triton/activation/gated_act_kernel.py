@@ -1,0 +1,187 @@
+"""Gated activations ``out = act(x[:, :H]) * x[:, H:] (* probs[:, None])`` in Triton, fp32 math.
+
+``act`` is SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, as Megatron's fused GeGLU). The MoE
+variants scale each row by its routing probability, and a row mask marks padding rows: they are
+neither read nor computed, and get zero output and zero gradients. A program owns ``ROWS`` rows and
+walks H in ``BLOCK_H`` chunks, so the per-row probability gradient is summed inside one program, in a
+fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["GELU_TANH", "SILU", "gated_act_bwd_triton", "gated_act_fwd_triton"]
+
+SILU, GELU_TANH = 0, 1
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_COEF = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _act_and_grad(a, ACT: tl.constexpr):
+    """(act(a), act'(a)) in fp32."""
+    if ACT == 0:
+        sig = tl.sigmoid(a)
+        return a * sig, sig * (1.0 + a * (1.0 - sig))
+    inner = _SQRT_2_OVER_PI * (a + _GELU_COEF * a * a * a)
+    t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    grad = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_COEF * a * a)
+    return 0.5 * a * (1.0 + t), grad
+
+
+@triton.jit
+def _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """(rows that hold data, their probabilities)."""
+    live = rows < n_rows
+    if HAS_MASK:
+        live = live & (tl.load(mask_ptr + rows, mask=live, other=0) != 0)
+    p = tl.full(rows.shape, 1.0, tl.float32)
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + rows, mask=live, other=0.0).to(tl.float32)
+    return live, p
+
+
+@triton.jit
+def _gated_fwd_kernel(
+    x_ptr,
+    probs_ptr,
+    mask_ptr,
+    out_ptr,
+    n_rows,
+    H,
+    stride_x,
+    stride_out,
+    ACT: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
+    in_range = rows < n_rows
+    for c0 in range(0, H, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        col_ok = (cols < H)[None, :]
+        load = live[:, None] & col_ok
+        base = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(base, mask=load, other=0.0).to(tl.float32)
+        b = tl.load(base + H, mask=load, other=0.0).to(tl.float32)
+        act, _ = _act_and_grad(a, ACT)
+        out = act * b * p[:, None]
+        out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_range[:, None] & col_ok)
+
+
+@triton.jit
+def _gated_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    probs_ptr,
+    mask_ptr,
+    dx_ptr,
+    dprobs_ptr,
+    n_rows,
+    H,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    ACT: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
+    in_range = rows < n_rows
+    dprobs = tl.zeros([ROWS], dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        col_ok = (cols < H)[None, :]
+        load = live[:, None] & col_ok
+        base = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        a = tl.load(base, mask=load, other=0.0).to(tl.float32)
+        b = tl.load(base + H, mask=load, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=load, other=0.0).to(tl.float32)
+        act, dact = _act_and_grad(a, ACT)
+        dyp = dy * p[:, None]
+        store = in_range[:, None] & col_ok
+        dx_base = dx_ptr + rows[:, None] * stride_dx + cols[None, :]
+        tl.store(dx_base, (dyp * b * dact).to(dx_ptr.dtype.element_ty), mask=store)
+        tl.store(dx_base + H, (dyp * act).to(dx_ptr.dtype.element_ty), mask=store)
+        if HAS_PROBS:
+            dprobs += tl.sum(dy * act * b, axis=1)
+    if HAS_PROBS:
+        tl.store(dprobs_ptr + rows, dprobs, mask=in_range)
+
+
+def _launch_shape(hidden: int) -> tuple[int, int]:
+    """(ROWS, BLOCK_H): chunks of up to 2048 columns, about 4K elements per chunk."""
+    block_h = min(2048, triton.next_power_of_2(max(hidden, 1)))
+    return max(1, min(32, 4096 // block_h)), block_h
+
+
+def gated_act_fwd_triton(
+    x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
+) -> torch.Tensor:
+    """``act(x[:, :H]) * x[:, H:] (* probs)`` for 2-D ``x`` (rows, 2H) with a unit column stride."""
+    n_rows, width = x.shape
+    hidden = width // 2
+    out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
+    if n_rows == 0 or hidden == 0:
+        return out
+    rows, block_h = _launch_shape(hidden)
+    _gated_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+        x,
+        probs if probs is not None else x,
+        row_mask if row_mask is not None else x,
+        out,
+        n_rows,
+        hidden,
+        x.stride(0),
+        out.stride(0),
+        ACT=act,
+        HAS_PROBS=probs is not None,
+        HAS_MASK=row_mask is not None,
+        ROWS=rows,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
+
+
+def gated_act_bwd_triton(
+    dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dprobs)``; ``dprobs`` is fp32 per row (empty without ``probs``)."""
+    n_rows, width = x.shape
+    hidden = width // 2
+    dx = torch.empty((n_rows, width), dtype=x.dtype, device=x.device)
+    dprobs = torch.empty(n_rows if probs is not None else 0, dtype=torch.float32, device=x.device)
+    if n_rows == 0 or hidden == 0:
+        return dx.zero_(), dprobs.zero_()
+    rows, block_h = _launch_shape(hidden)
+    _gated_bwd_kernel[(triton.cdiv(n_rows, rows),)](
+        dy,
+        x,
+        probs if probs is not None else x,
+        row_mask if row_mask is not None else x,
+        dx,
+        dprobs,
+        n_rows,
+        hidden,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0),
+        ACT=act,
+        HAS_PROBS=probs is not None,
+        HAS_MASK=row_mask is not None,
+        ROWS=rows,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return dx, dprobs

@@ -1,0 +1,123 @@
+"""Gated activations: forward and backward (dx, dprobs) against fp64 references, odd widths, zero rows,
+masked rows, the op contract and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.kernels.activation import gated_act_impl as impl
+from primus_turbo.pytorch.ops import geglu, geglu_with_probs, swiglu, swiglu_with_probs
+from tests.pytorch.test_utils import DEVICES, get_tolerances
+
+DEVICE = DEVICES[0]
+ON_GPU = DEVICE == "cuda"
+SHAPES = [(7, 2 * 96), (3, 2 * 2880), (0, 64), (5, 2 * 1)]
+if ON_GPU:
+    SHAPES += [(8192, 2 * 8192), (4096, 2 * 7168)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _act(a: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "swiglu":
+        return a * torch.sigmoid(a)
+    return 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+
+
+def _reference(x, probs, mask, name):
+    a, b = x.chunk(2, dim=-1)
+    out = _act(a, name) * b
+    if probs is not None:
+        out = out * probs[:, None]
+    if mask is not None:
+        out = out * mask[:, None]
+    return out
+
+
+def _assert_close(actual, expected, dtype):
+    scale = max(expected.abs().max().item(), 1.0) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double() / scale, expected / scale, **get_tolerances(dtype))
+
+
+OPS = {"swiglu": (swiglu, swiglu_with_probs), "geglu": (geglu, geglu_with_probs)}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-rows", "masked"])
+@pytest.mark.parametrize("with_probs", [False, True], ids=["plain", "probs"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_forward_backward(name, shape, dtype, with_probs, masked):
+    if masked and not with_probs:
+        pytest.skip("row_mask belongs to the MoE variants")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(DEVICE, dtype).requires_grad_()
+    probs = torch.rand(shape[0], generator=gen).to(DEVICE).requires_grad_() if with_probs else None
+    mask = (torch.rand(shape[0], generator=gen) > 0.3).to(DEVICE) if masked else None
+    grad = torch.randn(shape[0], shape[1] // 2, generator=gen).to(DEVICE, dtype)
+    plain, moe = OPS[name]
+    out = moe(x, probs, mask) if with_probs else plain(x)
+    out.backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    p64 = probs.detach().double().requires_grad_() if with_probs else None
+    expected = _reference(x64, p64, mask.double() if masked else None, name)
+    expected.backward(grad.double())
+    assert out.shape == expected.shape and out.dtype == dtype
+    _assert_close(out, expected.detach(), dtype)
+    _assert_close(x.grad, x64.grad, dtype)
+    if with_probs:
+        _assert_close(probs.grad, p64.grad, torch.float32 if dtype == torch.float32 else dtype)
+    if masked:
+        dead = ~mask
+        assert torch.all(out[dead] == 0) and torch.all(x.grad[dead] == 0) and torch.all(probs.grad[dead] == 0)
+
+
+def test_all_rows_masked_is_all_zero():
+    x = torch.randn(6, 64, device=DEVICE, requires_grad=True)
+    probs = torch.rand(6, device=DEVICE, requires_grad=True)
+    out = swiglu_with_probs(x, probs, torch.zeros(6, dtype=torch.bool, device=DEVICE))
+    out.sum().backward()
+    assert torch.all(out == 0) and torch.all(x.grad == 0) and torch.all(probs.grad == 0)
+
+
+def test_leading_dimensions():
+    x = torch.randn(2, 3, 64, device=DEVICE)
+    torch.testing.assert_close(swiglu(x), _reference(x, None, None, "swiglu"))
+
+
+def test_opcheck_and_compile():
+    x = torch.randn(6, 64, device=DEVICE)
+    probs = torch.rand(6, device=DEVICE)
+    mask = torch.tensor([True, False, True, True, False, True], device=DEVICE)
+    for args in ((x, None, None, impl.SILU), (x, probs, mask, impl.GELU_TANH)):
+        torch.library.opcheck(impl.gated_act_fwd_impl, args)
+        torch.library.opcheck(impl.gated_act_bwd_impl, (torch.randn(6, 32, device=DEVICE), *args))
+
+    def step(x, probs):
+        return swiglu_with_probs(x, probs, mask).square().sum() + geglu(x).sum()
+
+    leaves = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    eager = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
+    step(*eager).backward()
+    for a, b in zip(leaves, eager, strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x, p, m: swiglu(x[:, :63]), ValueError, "even"),
+        (lambda x, p, m: swiglu(x.int()), TypeError, "x.dtype"),
+        (lambda x, p, m: swiglu_with_probs(x, p[:-1]), ValueError, "probs must be"),
+        (lambda x, p, m: swiglu_with_probs(x, p, m.int()), TypeError, "row_mask.dtype"),
+        (lambda x, p, m: swiglu_with_probs(x, p, m[:-1]), ValueError, "row_mask must be"),
+        (lambda x, p, m: geglu_with_probs(x[None], p), ValueError, "probs must be"),
+    ],
+)
+def test_bad_input_raises_clear_error(call, error, match):
+    x = torch.randn(4, 64, device=DEVICE)
+    with pytest.raises(error, match=match):
+        call(x, torch.rand(4, device=DEVICE), torch.ones(4, dtype=torch.bool, device=DEVICE))
