@@ -11,6 +11,7 @@
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
 #                       (FP8_SHAPES, default quick)
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
+#   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -59,6 +60,11 @@ if [ "${FP8:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp4 \
     --shapes "${FP8_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
     | tee "$OUT/bench_fp4.log" || status=1
+fi
+if [ "${NORM_ACT:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo \
+    --shapes "${NORM_ACT_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/norm_act.csv" 2>&1 \
+    | grep -v " INFO {" | tee "$OUT/bench_norm_act.log" || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \

@@ -1,0 +1,188 @@
+"""RMSNorm and gated activations against eager PyTorch and ``torch.compile`` of the same composite.
+
+Per op and shape: forward and backward time, the bandwidth they reach over the minimum bytes each pass
+must move, that bandwidth as a fraction of the device copy bandwidth measured in the same run, and the
+ratio to the compiled composite. See ``benchmark/README.md``.
+
+Example::
+
+    python -m benchmark.ops.training.bench_norm_act_turbo --shapes quick -o norm_act.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+
+from benchmark.ops.training.bench_utils import cpu_timer, cuda_timer, platform_name
+from benchmark.ops.training.config import DEEPSEEK_V3, DENSE_MODELS, MOE_MODELS
+
+LOG = logging.getLogger("bench_norm_act_turbo")
+COPY_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark row: an op on (tokens, hidden) inputs."""
+
+    model: str
+    op: str
+    tokens: int
+    hidden: int
+
+
+def cases(name: str) -> list[Case]:
+    """RMSNorm on each model's hidden size and gated activations on its FFN width, 4096-32768 tokens."""
+    if name == "tiny":
+        return [Case("tiny", op, 8, 64) for op in OPS]
+    tokens = (4096, 16384) if name == "quick" else (4096, 8192, 16384, 32768)
+    hidden = {"Llama-3-8B": 4096, "Qwen2.5-72B": 8192, "DeepSeek-V3": DEEPSEEK_V3.hidden}
+    ffn = {"Llama-3-8B": DENSE_MODELS["Llama-3-8B"].intermediate // 4, "DeepSeek-V3 expert": 2048}
+    ffn["Qwen3-235B expert"] = MOE_MODELS["Qwen3-235B-A22B"].moe_intermediate
+    out = [
+        Case(m, op, t, h) for m, h in hidden.items() for t in tokens for op in ("rmsnorm", "rmsnorm_residual")
+    ]
+    out += [
+        Case(m, op, t, h)
+        for m, h in ffn.items()
+        for t in tokens
+        for op in ("swiglu", "swiglu_with_probs", "geglu")
+    ]
+    return out
+
+
+def _rmsnorm_ref(x, gamma):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6) * gamma.float()).to(x.dtype)
+
+
+def _residual_ref(x, r, gamma):
+    s = x + r
+    return _rmsnorm_ref(s, gamma), s
+
+
+def _swiglu_ref(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(a) * b
+
+
+def _swiglu_probs_ref(x, probs):
+    return _swiglu_ref(x) * probs[:, None].to(x.dtype)
+
+
+def _geglu_ref(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(a, approximate="tanh") * b
+
+
+def _turbo(op: str) -> Callable:
+    from primus_turbo.pytorch import ops
+
+    return getattr(ops, op)
+
+
+OPS = ("rmsnorm", "rmsnorm_residual", "swiglu", "swiglu_with_probs", "geglu")
+REFERENCES = {
+    "rmsnorm": _rmsnorm_ref,
+    "rmsnorm_residual": _residual_ref,
+    "swiglu": _swiglu_ref,
+    "swiglu_with_probs": _swiglu_probs_ref,
+    "geglu": _geglu_ref,
+}
+
+
+def inputs(case: Case, device: str) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """(inputs requiring grad, forward bytes, backward bytes): the minimum each pass reads and writes."""
+    t, h, e = case.tokens, case.hidden, 2  # bf16
+    x = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    if case.op == "rmsnorm":
+        return (
+            (x(t, h), torch.ones(h, device=device, dtype=torch.bfloat16, requires_grad=True)),
+            2 * t * h * e,
+            3 * t * h * e,
+        )
+    if case.op == "rmsnorm_residual":
+        gamma = torch.ones(h, device=device, dtype=torch.bfloat16, requires_grad=True)
+        return (x(t, h), x(t, h), gamma), 4 * t * h * e, 4 * t * h * e
+    if case.op == "swiglu_with_probs":
+        probs = torch.rand(t, device=device, requires_grad=True)
+        return (x(t, 2 * h), probs), 3 * t * h * e + 4 * t, 5 * t * h * e + 8 * t
+    return (x(t, 2 * h),), 3 * t * h * e, 5 * t * h * e
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def time_op(fn: Callable, args: tuple[torch.Tensor, ...], timer) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``fn(*args)``; backward of the first output with a fixed gradient."""
+    with torch.no_grad():
+        fwd = timer(lambda: fn(*args), None)
+    out = _first(fn(*args))
+    grad = torch.randn_like(out)
+    bwd = timer(lambda: out.backward(grad, retain_graph=True), list(args))
+    return fwd, bwd
+
+
+def copy_bandwidth(device: str, timer) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write), the ceiling for memory-bound kernels."""
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src), None)
+    return 2 * COPY_BYTES / ms / 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every case, write the CSV and print the table and summary."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("-o", "--output", default="bench_norm_act.csv")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    timer = cpu_timer if args.device == "cpu" else cuda_timer
+    copy_gbs = copy_bandwidth(args.device, timer) if args.device == "cuda" else float("nan")
+    LOG.info("device copy bandwidth %.0f GB/s on %s", copy_gbs, platform_name(args.device))
+    rows = []
+    for case in cases(args.shapes):
+        fn, ref = _turbo(case.op), REFERENCES[case.op]
+        compiled = torch.compile(ref)
+        tensors, fwd_bytes, bwd_bytes = inputs(case, args.device)
+        turbo_t, eager_t, compiled_t = [], [], []
+        for _ in range(args.rounds):
+            eager_t.append(time_op(ref, tensors, timer))
+            compiled_t.append(time_op(compiled, tensors, timer))
+            turbo_t.append(time_op(fn, tensors, timer))
+        row = {"Model": case.model, "Op": case.op, "Tokens": case.tokens, "Hidden": case.hidden}
+        for label, samples in (("Turbo", turbo_t), ("Eager", eager_t), ("Compiled", compiled_t)):
+            row[f"{label} fwd ms"] = statistics.median(s[0] for s in samples)
+            row[f"{label} bwd ms"] = statistics.median(s[1] for s in samples)
+        for direction, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
+            gbs = nbytes / row[f"Turbo {direction} ms"] / 1e6
+            row[f"{direction} GB/s"] = gbs
+            row[f"{direction} of copy"] = gbs / copy_gbs if not math.isnan(copy_gbs) else float("nan")
+            row[f"{direction} vs compiled"] = row[f"Compiled {direction} ms"] / row[f"Turbo {direction} ms"]
+        row["Copy GB/s"] = copy_gbs
+        row["Platform"], row["Torch"] = platform_name(args.device), torch.__version__
+        rows.append(row)
+        LOG.info("%s", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    columns = ["Model", "Op", "Tokens", "Hidden", "fwd GB/s", "fwd of copy", "fwd vs compiled"]
+    columns += ["bwd GB/s", "bwd of copy", "bwd vs compiled"]
+    print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
+    with open(args.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
