@@ -4,7 +4,7 @@ from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu,
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
-from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_residual
+from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_fp8, rmsnorm_residual
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
     dequantize_fp4,
@@ -29,6 +29,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_with_trans",
     "rmsnorm",
+    "rmsnorm_fp8",
     "rmsnorm_residual",
     "swiglu",
     "swiglu_with_probs",

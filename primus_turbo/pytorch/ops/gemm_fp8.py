@@ -75,13 +75,14 @@ def _quantize_operand(
 
 
 def _prequantized_operand(
-    qt: QuantizedTensor, trans: bool, config: Float8QuantConfig, other: bool
+    qt: QuantizedTensor, trans: bool, source: torch.Tensor | None, other: bool
 ) -> _Operand:
     """Copies of a ``QuantizedTensor`` whose logical (rows, K) view is ``data.t()`` when ``trans``.
 
     Tensorwise and 2-D block scales serve both directions, so the other copy is a transposed copy.
-    Other scalings are quantized along the reduction dimension only; their other copy is
-    re-quantized from the dequantized values (a second rounding).
+    Other scalings are quantized along the reduction dimension only; their other copy is quantized
+    from ``source`` (the high-precision tensor, ``qt.hp``) when there is one, else from the dequantized
+    values (a second rounding).
     """
     q, s = (qt.data.t(), qt.scale_inv.t()) if trans else (qt.data, qt.scale_inv)
     q, s = q.contiguous(), s.contiguous()
@@ -90,7 +91,7 @@ def _prequantized_operand(
     if other and direction_free:
         q_other, s_other = q.t().contiguous(), s.t().contiguous()
     elif other:
-        values = qt.dequantize(torch.float32)
+        values = source if source is not None else qt.dequantize(torch.float32)
         values = values.t() if trans else values
         q_other, s_other = quantize_fp8(
             values.t(), qt.data.dtype, qt.granularity, block_size=qt.block_size, axis=1
@@ -98,23 +99,22 @@ def _prequantized_operand(
     return _Operand(q, s, q_other, s_other, qt.block_2d)
 
 
-def _operand(
-    x, trans: bool, dtype: torch.dtype, config: Float8QuantConfig, weight: bool, other: bool
-) -> _Operand:
-    """``x`` as stored -> copies of its logical (rows, K) form (``x.t()`` when ``trans``)."""
-    if isinstance(x, QuantizedTensor):
-        return _prequantized_operand(x, trans, config, other)
+def _operand(x, qt, trans: bool, dtype: torch.dtype, config: Float8QuantConfig, weight: bool, other: bool):
+    """Copies of an operand as stored (its logical (rows, K) form is the transpose when ``trans``):
+    quantized here from ``x``, or taken from the ``QuantizedTensor`` ``qt`` (whose source is ``x``)."""
+    if qt is not None:
+        return _prequantized_operand(qt, trans, x, other)
     return _quantize_operand(x.t() if trans else x, dtype, config, weight, other)
 
 
 class _GemmFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, trans_a, trans_b, out_dtype, config, accum_pattern):
+    def forward(ctx, a, b, a_quantized, b_quantized, trans_a, trans_b, out_dtype, config, accum_pattern):
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
         # logical A (M, K) and B^T (N, K): b is (N, K) when trans_b, else (K, N)
-        lhs = _operand(a, trans_a, fwd_dtype, config, weight=False, other=need_b)
-        rhs = _operand(b, not trans_b, fwd_dtype, config, weight=True, other=need_a)
+        lhs = _operand(a, a_quantized, trans_a, fwd_dtype, config, weight=False, other=need_b)
+        rhs = _operand(b, b_quantized, not trans_b, fwd_dtype, config, weight=True, other=need_a)
         block = _block(config)
         gran = config.granularity.value
         out = call_op(
@@ -123,9 +123,9 @@ class _GemmFp8Function(torch.autograd.Function):
         ctx.save_for_backward(lhs.q_other, lhs.scale_other, rhs.q_other, rhs.scale_other)
         ctx.trans_a, ctx.trans_b, ctx.rhs_2d = trans_a, trans_b, rhs.block_2d
         ctx.config, ctx.accum_pattern = config, accum_pattern
-        ctx.a_dtype = a.dtype if isinstance(a, torch.Tensor) else None
+        ctx.a_dtype = a.dtype if a is not None else a_quantized.orig_dtype
         ctx.b = b if accum_pattern == "megatron" else None
-        ctx.b_dtype = b.dtype if isinstance(b, torch.Tensor) else None
+        ctx.b_dtype = b.dtype if b is not None else b_quantized.orig_dtype
         return out
 
     @staticmethod
@@ -176,12 +176,14 @@ class _GemmFp8Function(torch.autograd.Function):
                 grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = call_op(gemm_fp8_impl, *lhs, *rhs, ctx.b_dtype, gran, block, False, False)
-        return grad_a, grad_b, None, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None, None, None
 
 
 def _check_operand(name: str, x) -> None:
     if isinstance(x, QuantizedTensor):
         check_tensor(f"{name}.data", x.data, dim=2)
+        if x.hp is not None and x.hp.shape != x.data.shape:
+            raise ValueError(f"{name}.hp has shape {tuple(x.hp.shape)}, {name}.data {tuple(x.data.shape)}")
         return
     check_tensor(name, x, dim=2)
     check_dtype(f"{name}.dtype", x.dtype, _DTYPES)
@@ -231,10 +233,25 @@ def gemm_fp8(
 
     ``a`` is (M, K), or (K, M) with ``trans_a``; ``b`` is (K, N), or (N, K) with ``trans_b``. Each may be
     an fp16/bf16/fp32 tensor (quantized here with ``config``, default tensorwise E4M3) or a
-    ``QuantizedTensor`` quantized along K with the same granularity (not differentiated). ``out_dtype``
+    ``QuantizedTensor`` quantized along K with the same granularity; the gradient reaches its ``hp``
+    source when it has one (``rmsnorm_fp8``), and nothing otherwise. ``out_dtype``
     defaults to the high-precision input dtype. ``fuse_bgrad_accum_pattern="megatron"`` adds the weight
     gradient into ``b.main_grad`` as Megatron's gradient-accumulation fusion expects.
     """
     config = Float8QuantConfig() if config is None else config
     out_dtype = _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)
-    return _GemmFp8Function.apply(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)
+    a_quantized = a if isinstance(a, QuantizedTensor) else None
+    b_quantized = b if isinstance(b, QuantizedTensor) else None
+    a_source = a.hp if a_quantized is not None else a
+    b_source = b.hp if b_quantized is not None else b
+    return _GemmFp8Function.apply(
+        a_source,
+        b_source,
+        a_quantized,
+        b_quantized,
+        trans_a,
+        trans_b,
+        out_dtype,
+        config,
+        fuse_bgrad_accum_pattern,
+    )

@@ -12,14 +12,17 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, fp8_dtype_for
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     rmsnorm_bwd_impl,
+    rmsnorm_fp8_fwd_impl,
     rmsnorm_fwd_impl,
     rmsnorm_residual_fwd_impl,
 )
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor
 
-__all__ = ["rmsnorm", "rmsnorm_residual"]
+__all__ = ["rmsnorm", "rmsnorm_fp8", "rmsnorm_residual"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,6 +47,25 @@ class _RMSNormFunction(torch.autograd.Function):
         x2d, gamma, rstd = ctx.saved_tensors
         dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), x2d, gamma, rstd, ctx.zero_centered)
         return dx.view(dy.shape), dgamma.to(gamma.dtype), None, None
+
+
+class _RMSNormFp8Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, eps, zero_centered, fp8_dtype, granularity, block_size):
+        x2d = _rows(x)
+        y, rstd, q, scale = call_op(
+            rmsnorm_fp8_fwd_impl, x2d, gamma, eps, zero_centered, fp8_dtype, granularity, block_size
+        )
+        ctx.save_for_backward(x2d, gamma, rstd)
+        ctx.zero_centered = zero_centered
+        ctx.mark_non_differentiable(q, scale)
+        return y, q, scale
+
+    @staticmethod
+    def backward(ctx, dy, dq, dscale):
+        x2d, gamma, rstd = ctx.saved_tensors
+        dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), x2d, gamma, rstd, ctx.zero_centered)
+        return dx.view(dy.shape), dgamma.to(gamma.dtype), None, None, None, None, None
 
 
 class _RMSNormResidualFunction(torch.autograd.Function):
@@ -106,3 +128,42 @@ def rmsnorm_residual(
         )
     check_same_device(x=x, residual=residual)
     return _RMSNormResidualFunction.apply(x, residual, gamma, eps, zero_centered)
+
+
+_FUSED_GRANULARITIES = (
+    ScalingGranularity.TENSORWISE,
+    ScalingGranularity.ROWWISE,
+    ScalingGranularity.BLOCKWISE,
+)
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    config: Float8QuantConfig,
+    eps: float = 1e-6,
+    zero_centered: bool = False,
+) -> QuantizedTensor:
+    """``rmsnorm`` of a 2-D ``x`` [tokens, H] that also emits its FP8 quantization along H in the same
+    pass, ready to be ``gemm_fp8``'s activation operand.
+
+    The result is a ``QuantizedTensor`` whose ``data``/``scale_inv`` equal ``quantize_fp8`` of the
+    normalized output bit for bit (tensorwise, per row, or 1 x ``block_size`` blocks; E4M3 for the
+    forward operand under HYBRID) and whose ``hp`` is the differentiable high-precision output, so
+    ``gemm_fp8`` reads FP8 in forward and its input gradient flows back through the norm.
+    """
+    _check(x, gamma, eps, zero_centered)
+    check_tensor("x", x, dim=2)
+    if not isinstance(config, Float8QuantConfig):
+        raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
+    if config.granularity not in _FUSED_GRANULARITIES:
+        raise ValueError(
+            f"rmsnorm_fp8 fuses TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
+        )
+    fp8_dtype = fp8_dtype_for(config.format, is_forward=True)
+    block = config.block_size or 0
+    y, q, scale = _RMSNormFp8Function.apply(
+        x, gamma, eps, zero_centered, fp8_dtype, config.granularity.value, block
+    )
+    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
+    return QuantizedTensor(q, scale, config.granularity, config.block_size, axis, None, x.dtype, y)

@@ -240,8 +240,10 @@ def quantize_fp4_with_trans(
 class QuantizedTensor:
     """An FP8 tensor with its ``scale_inv`` and the settings that made them (see ``quantize_fp8``).
 
-    Pass one to ``gemm_fp8`` to reuse a quantization (a cached FP8 weight, say); the GEMM never
-    differentiates through it.
+    Pass one to ``gemm_fp8`` to reuse a quantization (a cached FP8 weight, say). ``hp`` is the
+    high-precision tensor it was quantized from, when there is one to differentiate: a fused producer
+    (``rmsnorm_fp8``) sets it, and ``gemm_fp8`` then reads the FP8 data in forward and sends the
+    gradient to ``hp``. Without ``hp`` the GEMM does not differentiate through the operand.
     """
 
     data: torch.Tensor
@@ -251,6 +253,7 @@ class QuantizedTensor:
     axis: int | None = None
     scaling_recipe: ScalingRecipe | None = None
     orig_dtype: torch.dtype = torch.bfloat16
+    hp: torch.Tensor | None = None
 
     @classmethod
     def quantize(

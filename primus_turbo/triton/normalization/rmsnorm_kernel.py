@@ -16,9 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
 from primus_turbo.triton.utils.device_info import num_sms
 
-__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fwd_triton"]
+__all__ = [
+    "QUANT_BLOCKS",
+    "QUANT_NONE",
+    "QUANT_ROW",
+    "QUANT_TENSOR_AMAX",
+    "rmsnorm_bwd_triton",
+    "rmsnorm_fwd_triton",
+]
 
 _ELEMENTS_PER_PROGRAM = 8192
 _BWD_PROGRAMS_PER_SM = 4  # backward programs loop over row blocks; dgamma partials stay small
@@ -40,6 +48,8 @@ def _rmsnorm_fwd_kernel(
     y_ptr,
     s_ptr,
     rstd_ptr,
+    q_ptr,
+    qs_ptr,
     n_rows,
     H,
     stride_x,
@@ -49,9 +59,16 @@ def _rmsnorm_fwd_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    N_GROUPS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """QUANT: 0 none; 1 FP8 per row; 2 FP8 per 1 x GROUP block; 3 per-row amax of y for a tensorwise
+    scale (the cast needs the global amax, so it runs after). Quantization reads y as stored (rounded
+    to y's dtype), so it equals quantizing the unfused output bit for bit."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     row_ok = rows < n_rows
@@ -64,9 +81,37 @@ def _rmsnorm_fwd_kernel(
     w = tl.load(gamma_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w += 1.0
-    y = s * rstd[:, None] * w[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = (s * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    if QUANT != 0:
+        yq = tl.where(mask, y.to(tl.float32), 0.0)
+        mag = tl.abs(yq)
+        nonfinite = (mag != mag) | (mag == float("inf"))
+        mag = tl.where(nonfinite, 0.0, mag)
+        q_ptrs = q_ptr + rows[:, None] * H + cols[None, :]
+        if QUANT == 1:
+            bad = tl.sum(nonfinite.to(tl.int32), axis=1)
+            multiplier, stored = _group_scale(tl.max(mag, axis=1), bad, FP8_MAX, False, 0)
+            q = _saturate(yq * multiplier[:, None], FP8_MAX)
+            tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(qs_ptr + rows, stored, mask=row_ok)
+        elif QUANT == 2:
+            amax = tl.max(tl.reshape(mag, (ROWS, N_GROUPS, GROUP)), axis=2)
+            bad = tl.sum(tl.reshape(nonfinite.to(tl.int32), (ROWS, N_GROUPS, GROUP)), axis=2)
+            multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+            scaled = tl.reshape(
+                tl.reshape(yq, (ROWS, N_GROUPS, GROUP)) * multiplier[:, :, None], (ROWS, BLOCK_H)
+            )
+            tl.store(q_ptrs, _saturate(scaled, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+            groups = tl.arange(0, N_GROUPS)
+            n_scales = tl.cdiv(H, GROUP)
+            s_mask = row_ok[:, None] & (groups < n_scales)[None, :]
+            tl.store(qs_ptr + rows[:, None] * n_scales + groups[None, :], stored, mask=s_mask)
+        else:
+            bad = tl.sum(nonfinite.to(tl.int32), axis=1)
+            amax = tl.where(bad > 0, float("nan"), tl.max(mag, axis=1))
+            tl.store(qs_ptr + rows, amax, mask=row_ok)
 
 
 @triton.jit
@@ -113,22 +158,41 @@ def _rmsnorm_bwd_kernel(
     tl.store(dgamma_partial_ptr + pid * BLOCK_H + cols, dgamma, mask=col_ok)
 
 
+QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
+
+
 def rmsnorm_fwd_triton(
     x: torch.Tensor,
     gamma: torch.Tensor,
     eps: float,
     zero_centered: bool,
     residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    quant: int = QUANT_NONE,
+    fp8_dtype: torch.dtype | None = None,
+    group: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """``(y, s, rstd)`` for 2-D ``x`` (rows, H) with unit column stride; ``s = x + residual`` (``x``
-    itself without a residual), ``rstd`` fp32 per row."""
+    itself without a residual), ``rstd`` fp32 per row. With ``quant`` it also returns ``(q, scales)``:
+    FP8 ``q`` (rows, H) with fp32 ``scale_inv`` per row or per 1 x ``group`` block, or (QUANT_TENSOR_AMAX)
+    an empty ``q`` and the per-row amax of y (NaN for rows holding NaN/inf)."""
     n_rows, hidden = x.shape
     y = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else x
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows == 0 or hidden == 0:
-        return y, s, rstd
     block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    q = torch.empty(
+        (n_rows, hidden) if quant in (QUANT_ROW, QUANT_BLOCKS) else (0,),
+        dtype=fp8_dtype or torch.uint8,
+        device=x.device,
+    )
+    n_scales = triton.cdiv(hidden, group) if quant == QUANT_BLOCKS else 1
+    scales = torch.empty(
+        (n_rows, n_scales) if quant != QUANT_NONE else (0,), dtype=torch.float32, device=x.device
+    )
+    extra = (q, scales) if quant != QUANT_NONE else ()
+    if n_rows == 0 or hidden == 0:
+        return (y, s, rstd, *extra)
+    group = group if quant == QUANT_BLOCKS else block_h
     r = residual if residual is not None else x
     _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows_per_program),)](
         x,
@@ -137,6 +201,8 @@ def rmsnorm_fwd_triton(
         y,
         s,
         rstd,
+        q,
+        scales,
         n_rows,
         hidden,
         x.stride(0),
@@ -146,11 +212,15 @@ def rmsnorm_fwd_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         ZERO_CENTERED=zero_centered,
+        QUANT=quant,
+        FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
+        GROUP=group,
+        N_GROUPS=max(1, block_h // group),
         ROWS=rows_per_program,
         BLOCK_H=block_h,
         num_warps=warps,
     )
-    return y, s, rstd
+    return (y, s, rstd, *extra)
 
 
 def rmsnorm_bwd_triton(

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.normalization import rmsnorm_impl as impl
 from primus_turbo.pytorch.modules import RMSNorm
-from primus_turbo.pytorch.ops import rmsnorm, rmsnorm_residual
+from primus_turbo.pytorch.ops import gemm_fp8, quantize_fp8, rmsnorm, rmsnorm_fp8, rmsnorm_residual
 from tests.pytorch.test_utils import DEVICES, get_tolerances
 
 DEVICE = DEVICES[0]
@@ -136,3 +137,63 @@ def test_opcheck_and_compile():
 def test_bad_input_raises_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call(torch.randn(4, 32, device=DEVICE), torch.ones(32, device=DEVICE))
+
+
+FP8_BLOCK = 128 if ON_GPU else 32
+FUSED_CONFIGS = {
+    "tensorwise": Float8QuantConfig(),
+    "rowwise": Float8QuantConfig(format=Format.HYBRID, granularity=ScalingGranularity.ROWWISE),
+    "blockwise": Float8QuantConfig(
+        format=Format.HYBRID, granularity=ScalingGranularity.BLOCKWISE, block_size=FP8_BLOCK
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(6, 96), (5, 2880), (0, 64)] + ([(4096, 7168)] if ON_GPU else []), ids=str)
+@pytest.mark.parametrize("name", list(FUSED_CONFIGS))
+def test_rmsnorm_fp8_equals_quantizing_the_unfused_output(name, shape, dtype):
+    config = FUSED_CONFIGS[name]
+    x, gamma, _ = _tensors(shape, dtype)
+    fused = rmsnorm_fp8(x, gamma, config)
+    y = rmsnorm(x, gamma)
+    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
+    q, scale = quantize_fp8(
+        y, torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
+    )
+    assert torch.equal(fused.hp, y)
+    assert torch.equal(fused.data.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fused.scale_inv, scale)
+
+
+@pytest.mark.parametrize("name", list(FUSED_CONFIGS))
+def test_rmsnorm_fp8_feeds_gemm_fp8_like_the_unfused_pair(name):
+    config = FUSED_CONFIGS[name]
+    x, gamma, _ = _tensors((64, 128), torch.bfloat16)
+    w = (torch.randn(96, 128, device=DEVICE) * 0.1).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(64, 96, device=DEVICE).to(torch.bfloat16)
+    results = []
+    for fused in (True, False):
+        x.grad = gamma.grad = w.grad = None
+        a = rmsnorm_fp8(x, gamma, config) if fused else rmsnorm(x, gamma)
+        out = gemm_fp8(a, w, trans_b=True, config=config)
+        out.backward(grad)
+        results.append((out, x.grad, gamma.grad, w.grad))
+    for fused_value, unfused_value in zip(*results, strict=True):
+        assert torch.equal(fused_value, unfused_value)
+
+
+def test_rmsnorm_fp8_opcheck_and_bad_input():
+    x = torch.randn(6, 96, device=DEVICE)
+    gamma = torch.rand(96, device=DEVICE) + 0.5
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    for granularity, block in ((0, 0), (1, 0), (2, 32)):
+        args = (x, gamma, 1e-6, False, torch.float8_e4m3fn, granularity, block)
+        torch.library.opcheck(impl.rmsnorm_fp8_fwd_impl, args, test_utils=utils)
+    mx = Float8QuantConfig(
+        granularity=ScalingGranularity.MX_BLOCKWISE, block_size=32, scale_dtype=ScaleDtype.E8M0
+    )
+    with pytest.raises(ValueError, match="fuses TENSORWISE"):
+        rmsnorm_fp8(x, gamma, mx)
+    with pytest.raises(ValueError, match="2-D"):
+        rmsnorm_fp8(x[None], gamma, FUSED_CONFIGS["rowwise"])

@@ -7,12 +7,21 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    quantize_fp8_reference,
+    scale_inv_shape,
+    tensorwise_scales,
+)
 from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fwd_triton
+from primus_turbo.triton.normalization.rmsnorm_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
+from primus_turbo.triton.quantization import scale_cast_fp8_triton
 from primus_turbo.triton.utils.device_info import interpreter_active
 
 __all__ = [
     "rmsnorm_bwd_impl",
     "rmsnorm_bwd_reference",
+    "rmsnorm_fp8_fwd_impl",
     "rmsnorm_fwd_impl",
     "rmsnorm_fwd_reference",
     "rmsnorm_residual_fwd_impl",
@@ -99,3 +108,51 @@ def rmsnorm_bwd_impl(
 @rmsnorm_bwd_impl.register_fake
 def _rmsnorm_bwd_fake(dy, s, gamma, rstd, zero_centered):
     return torch.empty(s.shape, dtype=s.dtype, device=s.device), s.new_empty(s.shape[1], dtype=torch.float32)
+
+
+_QUANT_MODES = {
+    ScalingGranularity.TENSORWISE.value: QUANT_TENSOR_AMAX,
+    ScalingGranularity.ROWWISE.value: QUANT_ROW,
+    ScalingGranularity.BLOCKWISE.value: QUANT_BLOCKS,
+}
+
+
+@custom_op("primus_turbo::rmsnorm_fp8_fwd", mutates_args=())
+def rmsnorm_fp8_fwd_impl(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    fp8_dtype: torch.dtype,
+    granularity: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, rstd, q, scale_inv)``: RMSNorm of 2-D ``x`` and ``quantize_fp8(y)`` along the hidden
+    dimension (tensorwise, per row, or 1 x ``block_size`` blocks), bit for bit, from the same pass."""
+    if (
+        not _use_triton(x)
+        or fp8_dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+        and torch.version.hip is None
+    ):
+        y, _, rstd = rmsnorm_fwd_reference(x, gamma, eps, zero_centered)
+        q, scale = quantize_fp8_reference(y, fp8_dtype, granularity, block_size, 1, False)
+        return y, rstd, q, scale
+    mode = _QUANT_MODES[granularity]
+    y, _, rstd, q, scales = rmsnorm_fwd_triton(
+        x, gamma, eps, zero_centered, None, mode, fp8_dtype, block_size
+    )
+    if mode != QUANT_TENSOR_AMAX:
+        return y, rstd, q, scales
+    amax = scales.amax() if scales.numel() else torch.zeros((), device=x.device)
+    multiplier, scale_inv = tensorwise_scales(amax, fp8_dtype)
+    q = torch.empty(y.shape, dtype=fp8_dtype, device=y.device)
+    scale_cast_fp8_triton(y, q, multiplier.reshape(1))
+    return y, rstd, q, scale_inv
+
+
+@rmsnorm_fp8_fwd_impl.register_fake
+def _rmsnorm_fp8_fwd_fake(x, gamma, eps, zero_centered, fp8_dtype, granularity, block_size):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    scale = x.new_empty(scale_inv_shape(x.shape, granularity, block_size, 1, False), dtype=torch.float32)
+    rstd = x.new_empty(x.shape[0], dtype=torch.float32)
+    return y, rstd, torch.empty(x.shape, dtype=fp8_dtype, device=x.device), scale

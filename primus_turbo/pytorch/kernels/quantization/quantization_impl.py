@@ -33,6 +33,7 @@ __all__ = [
     "quantize_fp8_with_trans_impl",
     "quantize_fp8_with_trans_reference",
     "scale_inv_shape",
+    "tensorwise_scales",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -99,6 +100,11 @@ def e8m0_scales_from_amax(amax: torch.Tensor, emax: int) -> tuple[torch.Tensor, 
     exponent = torch.where(finite, exponent, 0)
     stored = torch.where(finite, torch.exp2(exponent.float()), torch.nan).to(torch.float8_e8m0fnu)
     return torch.exp2(-exponent.float()), stored
+
+
+def tensorwise_scales(amax: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(multiplier, scale_inv) of a 0-d amax under the tensorwise rules (shared by fused producers)."""
+    return _scales_from_amax(amax, fp8_dtype, mx=False)
 
 
 def _scales_from_amax(
