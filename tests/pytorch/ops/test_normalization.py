@@ -197,3 +197,18 @@ def test_rmsnorm_fp8_opcheck_and_bad_input():
         rmsnorm_fp8(x, gamma, mx)
     with pytest.raises(ValueError, match="2-D"):
         rmsnorm_fp8(x[None], gamma, FUSED_CONFIGS["rowwise"])
+
+
+def test_rmsnorm_fp8_into_gemm_fp8_compiles_without_graph_breaks():
+    config = FUSED_CONFIGS["rowwise"]
+
+    def step(x, gamma, w):
+        return gemm_fp8(rmsnorm_fp8(x, gamma, config), w, trans_b=True, config=config).float().sum()
+
+    leaves = [t.detach().clone().requires_grad_() for t in _tensors((64, 128), torch.bfloat16)[:2]]
+    leaves.append((torch.randn(96, 128, device=DEVICE) * 0.1).to(torch.bfloat16).requires_grad_())
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    eager = [t.detach().clone().requires_grad_() for t in leaves]
+    step(*eager).backward()
+    for a, b in zip(leaves, eager, strict=True):
+        assert torch.equal(a.grad, b.grad)
