@@ -1,6 +1,13 @@
 """Public operators: ``primus_turbo.pytorch.ops.<op>``."""
 
-from primus_turbo.pytorch.ops.activation import geglu, geglu_with_probs, swiglu, swiglu_with_probs
+from primus_turbo.pytorch.ops.activation import (
+    geglu,
+    geglu_fp8,
+    geglu_with_probs,
+    swiglu,
+    swiglu_fp8,
+    swiglu_with_probs,
+)
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
@@ -20,6 +27,7 @@ __all__ = [
     "dequantize_fp4",
     "dequantize_fp8",
     "geglu",
+    "geglu_fp8",
     "geglu_with_probs",
     "gemm",
     "gemm_fp4",
@@ -32,5 +40,6 @@ __all__ = [
     "rmsnorm_fp8",
     "rmsnorm_residual",
     "swiglu",
+    "swiglu_fp8",
     "swiglu_with_probs",
 ]

@@ -12,17 +12,29 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
     GELU_TANH,
     SILU,
     gated_act_bwd_impl,
+    gated_act_fp8_fwd_impl,
     gated_act_fwd_impl,
 )
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor, fused_fp8_output, fused_fp8_settings
 
-__all__ = ["geglu", "geglu_with_probs", "swiglu", "swiglu_with_probs"]
+__all__ = ["geglu", "geglu_fp8", "geglu_with_probs", "swiglu", "swiglu_fp8", "swiglu_with_probs"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gated_backward(ctx, dy) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, dprobs) from the tensors a gated-activation Function saved."""
+    x2d, probs, row_mask = ctx.saved_tensors
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    dx, dprobs = call_op(gated_act_bwd_impl, dy2d.contiguous(), x2d, probs, row_mask, ctx.act)
+    grad_probs = dprobs.to(probs.dtype) if probs is not None and ctx.needs_input_grad[1] else None
+    return dx.view(ctx.shape), grad_probs
 
 
 class _GatedActFunction(torch.autograd.Function):
@@ -37,11 +49,24 @@ class _GatedActFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, probs, row_mask = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx, dprobs = call_op(gated_act_bwd_impl, dy2d.contiguous(), x2d, probs, row_mask, ctx.act)
-        grad_probs = dprobs.to(probs.dtype) if probs is not None and ctx.needs_input_grad[1] else None
-        return dx.view(ctx.shape), grad_probs, None, None
+        return (*_gated_backward(ctx, dy), None, None)
+
+
+class _GatedActFp8Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, row_mask, act, fp8_dtype, granularity, block_size):
+        x2d = x if x.stride(-1) == 1 else x.contiguous()
+        out, q, scale = call_op(
+            gated_act_fp8_fwd_impl, x2d, probs, row_mask, act, fp8_dtype, granularity, block_size
+        )
+        ctx.save_for_backward(x2d, probs, row_mask)
+        ctx.act, ctx.shape = act, x.shape
+        ctx.mark_non_differentiable(q, scale)
+        return out, q, scale
+
+    @staticmethod
+    def backward(ctx, dy, dq, dscale):
+        return (*_gated_backward(ctx, dy), None, None, None, None, None)
 
 
 def _check(x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None) -> None:
@@ -93,3 +118,34 @@ def geglu_with_probs(
 ) -> torch.Tensor:
     """``gelu_tanh(a) * b * probs[:, None]`` for ``x = [a, b]`` [tokens, 2H]."""
     return _gated(x, probs, row_mask, GELU_TANH)
+
+
+def _gated_fp8(x, config, probs, row_mask, act) -> QuantizedTensor:
+    _check(x, probs, row_mask)
+    check_tensor("x", x, dim=2)
+    fp8_dtype, granularity, block = fused_fp8_settings(config, "swiglu_fp8/geglu_fp8")
+    out, q, scale = _GatedActFp8Function.apply(x, probs, row_mask, act, fp8_dtype, granularity, block)
+    return fused_fp8_output(q, scale, config, out)
+
+
+def swiglu_fp8(
+    x: torch.Tensor,
+    config: Float8QuantConfig,
+    probs: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """``swiglu`` (``swiglu_with_probs`` when ``probs`` is given) of ``x`` [tokens, 2H] that also emits
+    its FP8 quantization along H in the same kernel, for the next ``gemm_fp8`` (see ``rmsnorm_fp8``):
+    ``data``/``scale_inv`` equal ``quantize_fp8`` of the output bit for bit, and ``hp`` is the
+    differentiable output."""
+    return _gated_fp8(x, config, probs, row_mask, SILU)
+
+
+def geglu_fp8(
+    x: torch.Tensor,
+    config: Float8QuantConfig,
+    probs: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """``geglu`` / ``geglu_with_probs`` with the fused FP8 output of ``swiglu_fp8``."""
+    return _gated_fp8(x, config, probs, row_mask, GELU_TANH)

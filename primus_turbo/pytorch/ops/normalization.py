@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import call_op
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, fp8_dtype_for
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     rmsnorm_bwd_impl,
@@ -20,7 +20,7 @@ from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     rmsnorm_fwd_impl,
     rmsnorm_residual_fwd_impl,
 )
-from primus_turbo.pytorch.ops.quantization import QuantizedTensor
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor, fused_fp8_output, fused_fp8_settings
 
 __all__ = ["rmsnorm", "rmsnorm_fp8", "rmsnorm_residual"]
 
@@ -130,13 +130,6 @@ def rmsnorm_residual(
     return _RMSNormResidualFunction.apply(x, residual, gamma, eps, zero_centered)
 
 
-_FUSED_GRANULARITIES = (
-    ScalingGranularity.TENSORWISE,
-    ScalingGranularity.ROWWISE,
-    ScalingGranularity.BLOCKWISE,
-)
-
-
 def rmsnorm_fp8(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -154,16 +147,6 @@ def rmsnorm_fp8(
     """
     _check(x, gamma, eps, zero_centered)
     check_tensor("x", x, dim=2)
-    if not isinstance(config, Float8QuantConfig):
-        raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
-    if config.granularity not in _FUSED_GRANULARITIES:
-        raise ValueError(
-            f"rmsnorm_fp8 fuses TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
-        )
-    fp8_dtype = fp8_dtype_for(config.format, is_forward=True)
-    block = config.block_size or 0
-    y, q, scale = _RMSNormFp8Function.apply(
-        x, gamma, eps, zero_centered, fp8_dtype, config.granularity.value, block
-    )
-    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
-    return QuantizedTensor(q, scale, config.granularity, config.block_size, axis, None, x.dtype, y)
+    fp8_dtype, granularity, block = fused_fp8_settings(config, "rmsnorm_fp8")
+    y, q, scale = _RMSNormFp8Function.apply(x, gamma, eps, zero_centered, fp8_dtype, granularity, block)
+    return fused_fp8_output(q, scale, config, y)

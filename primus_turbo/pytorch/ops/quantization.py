@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from primus_turbo.pytorch.core.custom_op import call_op
-from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingRecipe,
+    fp8_dtype_for,
+)
 from primus_turbo.pytorch.core.validation import check_dtype, check_tensor
 from primus_turbo.pytorch.kernels.quantization.quantization_fp4_impl import (
     FP4_DTYPE,
@@ -41,6 +46,8 @@ __all__ = [
     "QuantizedTensor",
     "dequantize_fp4",
     "dequantize_fp8",
+    "fused_fp8_output",
+    "fused_fp8_settings",
     "quantize_fp4",
     "quantize_fp4_with_trans",
     "quantize_fp8",
@@ -291,3 +298,27 @@ class QuantizedTensor:
             axis=self.axis,
             scaling_recipe=self.scaling_recipe,
         )
+
+
+_FUSABLE = (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE, ScalingGranularity.BLOCKWISE)
+
+
+def fused_fp8_settings(config: object, producer: str) -> tuple[torch.dtype, int, int]:
+    """``(fp8 dtype, granularity value, block size)`` for a producer that emits its output in FP8
+    along the last dimension (``rmsnorm_fp8``, ``swiglu_fp8``): E4M3 under HYBRID, no MX."""
+    if not isinstance(config, Float8QuantConfig):
+        raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
+    if config.granularity not in _FUSABLE:
+        raise ValueError(
+            f"{producer} fuses TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
+        )
+    return fp8_dtype_for(config.format, is_forward=True), config.granularity.value, config.block_size or 0
+
+
+def fused_fp8_output(
+    q: torch.Tensor, scale_inv: torch.Tensor, config: Float8QuantConfig, hp: torch.Tensor
+) -> QuantizedTensor:
+    """The ``QuantizedTensor`` a fused producer returns: its FP8 data along the last dimension and the
+    differentiable high-precision output as ``hp``."""
+    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
+    return QuantizedTensor(q, scale_inv, config.granularity, config.block_size, axis, None, hp.dtype, hp)

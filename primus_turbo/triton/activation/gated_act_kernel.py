@@ -13,7 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GELU_TANH", "SILU", "gated_act_bwd_triton", "gated_act_fwd_triton"]
+from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
+
+__all__ = [
+    "GELU_TANH",
+    "QUANT_BLOCKS",
+    "QUANT_NONE",
+    "QUANT_ROW",
+    "QUANT_TENSOR_AMAX",
+    "SILU",
+    "gated_act_bwd_triton",
+    "gated_act_fwd_triton",
+]
 
 SILU, GELU_TANH = 0, 1
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -45,11 +56,32 @@ def _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS: tl.constexpr, HAS_M
 
 
 @triton.jit
+def _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One chunk of the output, rounded to the output dtype (what quantization must read)."""
+    load = live[:, None] & (cols < H)[None, :]
+    base = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    a = tl.load(base, mask=load, other=0.0).to(tl.float32)
+    b = tl.load(base + H, mask=load, other=0.0).to(tl.float32)
+    act, _ = _act_and_grad(a, ACT)
+    return (act * b * p[:, None]).to(OUT_DTYPE)
+
+
+@triton.jit
+def _nonfinite_amax(v, AXIS: tl.constexpr):
+    """(amax of the finite magnitudes, count of NaN/inf) of fp32 ``v`` along ``AXIS``."""
+    mag = tl.abs(v)
+    nonfinite = (mag != mag) | (mag == float("inf"))
+    return tl.max(tl.where(nonfinite, 0.0, mag), axis=AXIS), tl.sum(nonfinite.to(tl.int32), axis=AXIS)
+
+
+@triton.jit
 def _gated_fwd_kernel(
     x_ptr,
     probs_ptr,
     mask_ptr,
     out_ptr,
+    q_ptr,
+    qs_ptr,
     n_rows,
     H,
     stride_x,
@@ -57,23 +89,61 @@ def _gated_fwd_kernel(
     ACT: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    N_GROUPS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """QUANT: 0 none; 1 FP8 per row (a first sweep finds the row amax); 2 FP8 per 1 x GROUP block;
+    3 per-row amax for a tensorwise scale applied afterwards. Quantization reads the output as stored."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
     in_range = rows < n_rows
+    row_multiplier = tl.zeros([ROWS], dtype=tl.float32)
+    if QUANT == 1:
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        bad = tl.zeros([ROWS], dtype=tl.int32)
+        for c0 in range(0, H, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            chunk_amax, chunk_bad = _nonfinite_amax(
+                _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, out_ptr.dtype.element_ty).to(
+                    tl.float32
+                ),
+                1,
+            )
+            amax = tl.maximum(amax, chunk_amax)
+            bad += chunk_bad
+        row_multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+        tl.store(qs_ptr + rows, stored, mask=in_range)
+    tensor_amax = tl.zeros([ROWS], dtype=tl.float32)
+    tensor_bad = tl.zeros([ROWS], dtype=tl.int32)
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
-        col_ok = (cols < H)[None, :]
-        load = live[:, None] & col_ok
-        base = x_ptr + rows[:, None] * stride_x + cols[None, :]
-        a = tl.load(base, mask=load, other=0.0).to(tl.float32)
-        b = tl.load(base + H, mask=load, other=0.0).to(tl.float32)
-        act, _ = _act_and_grad(a, ACT)
-        out = act * b * p[:, None]
-        out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_range[:, None] & col_ok)
+        store = in_range[:, None] & (cols < H)[None, :]
+        out = _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=store)
+        q_ptrs = q_ptr + rows[:, None] * H + cols[None, :]
+        if QUANT == 1:
+            q = _saturate(out.to(tl.float32) * row_multiplier[:, None], FP8_MAX)
+            tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=store)
+        elif QUANT == 2:
+            groups = tl.reshape(out.to(tl.float32), (ROWS, N_GROUPS, GROUP))
+            amax, bad = _nonfinite_amax(groups, 2)
+            multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+            q = _saturate(tl.reshape(groups * multiplier[:, :, None], (ROWS, BLOCK_H)), FP8_MAX)
+            tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=store)
+            g = c0 // GROUP + tl.arange(0, N_GROUPS)
+            n_scales = tl.cdiv(H, GROUP)
+            s_mask = in_range[:, None] & (g < n_scales)[None, :]
+            tl.store(qs_ptr + rows[:, None] * n_scales + g[None, :], stored, mask=s_mask)
+        elif QUANT == 3:
+            chunk_amax, chunk_bad = _nonfinite_amax(out.to(tl.float32), 1)
+            tensor_amax = tl.maximum(tensor_amax, chunk_amax)
+            tensor_bad += chunk_bad
+    if QUANT == 3:
+        tl.store(qs_ptr + rows, tl.where(tensor_bad > 0, float("nan"), tensor_amax), mask=in_range)
 
 
 @triton.jit
@@ -125,21 +195,40 @@ def _launch_shape(hidden: int) -> tuple[int, int]:
     return max(1, min(32, 4096 // block_h)), block_h
 
 
+QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
+
+
 def gated_act_fwd_triton(
-    x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
-) -> torch.Tensor:
-    """``act(x[:, :H]) * x[:, H:] (* probs)`` for 2-D ``x`` (rows, 2H) with a unit column stride."""
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    row_mask: torch.Tensor | None,
+    act: int,
+    quant: int = QUANT_NONE,
+    fp8_dtype: torch.dtype | None = None,
+    group: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, q, scales)``: ``act(x[:, :H]) * x[:, H:] (* probs)`` for 2-D ``x`` (rows, 2H) with a unit
+    column stride, and with ``quant`` its FP8 copy ``q`` (rows, H) with fp32 scale_inv per row or per
+    1 x ``group`` block, or (QUANT_TENSOR_AMAX) an empty ``q`` and the per-row amax (NaN for rows
+    holding NaN/inf). Without ``quant``, ``q`` and ``scales`` are empty."""
     n_rows, width = x.shape
     hidden = width // 2
     out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
+    q_shape = (n_rows, hidden) if quant in (QUANT_ROW, QUANT_BLOCKS) else (0,)
+    q = torch.empty(q_shape, dtype=fp8_dtype or torch.uint8, device=x.device)
+    n_scales = triton.cdiv(hidden, group) if quant == QUANT_BLOCKS else 1
+    scales = torch.empty((n_rows, n_scales) if quant else (0,), dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
-        return out
-    rows, block_h = _launch_shape(hidden)
+        return out, q, scales
+    rows, block_h = _launch_shape(max(hidden, group))
+    group = group if quant == QUANT_BLOCKS else block_h
     _gated_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x,
         probs if probs is not None else x,
         row_mask if row_mask is not None else x,
         out,
+        q,
+        scales,
         n_rows,
         hidden,
         x.stride(0),
@@ -147,11 +236,15 @@ def gated_act_fwd_triton(
         ACT=act,
         HAS_PROBS=probs is not None,
         HAS_MASK=row_mask is not None,
+        QUANT=quant,
+        FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
+        GROUP=group,
+        N_GROUPS=max(1, block_h // group),
         ROWS=rows,
         BLOCK_H=block_h,
         num_warps=4,
     )
-    return out
+    return out, q, scales
 
 
 def gated_act_bwd_triton(

@@ -8,8 +8,18 @@ import math
 import pytest
 import torch
 
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.activation import gated_act_impl as impl
-from primus_turbo.pytorch.ops import geglu, geglu_with_probs, swiglu, swiglu_with_probs
+from primus_turbo.pytorch.ops import (
+    geglu,
+    geglu_fp8,
+    geglu_with_probs,
+    gemm_fp8,
+    quantize_fp8,
+    swiglu,
+    swiglu_fp8,
+    swiglu_with_probs,
+)
 from tests.pytorch.test_utils import DEVICES, get_tolerances
 
 DEVICE = DEVICES[0]
@@ -121,3 +131,83 @@ def test_bad_input_raises_clear_error(call, error, match):
     x = torch.randn(4, 64, device=DEVICE)
     with pytest.raises(error, match=match):
         call(x, torch.rand(4, device=DEVICE), torch.ones(4, dtype=torch.bool, device=DEVICE))
+
+
+FP8_BLOCK = 128 if ON_GPU else 32
+FUSED_CONFIGS = {
+    "tensorwise": Float8QuantConfig(),
+    "rowwise": Float8QuantConfig(format=Format.HYBRID, granularity=ScalingGranularity.ROWWISE),
+    "blockwise": Float8QuantConfig(
+        format=Format.HYBRID, granularity=ScalingGranularity.BLOCKWISE, block_size=FP8_BLOCK
+    ),
+}
+FUSED_SHAPES = [(6, 2 * 96), (5, 2 * 2880), (0, 64)] + ([(4096, 2 * 2048)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["plain", "probs-mask"])
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
+@pytest.mark.parametrize("config_name", list(FUSED_CONFIGS))
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_fused_fp8_output_equals_quantizing_the_unfused_output(name, config_name, shape, with_probs):
+    config = FUSED_CONFIGS[config_name]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
+    probs = torch.rand(shape[0], generator=gen).to(DEVICE) if with_probs else None
+    mask = (torch.rand(shape[0], generator=gen) > 0.3).to(DEVICE) if with_probs else None
+    fused_op = swiglu_fp8 if name == "swiglu" else geglu_fp8
+    plain, moe = OPS[name]
+    fused = fused_op(x, config, probs, mask)
+    out = moe(x, probs, mask) if with_probs else plain(x)
+    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
+    q, scale = quantize_fp8(
+        out, torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
+    )
+    assert torch.equal(fused.hp, out)
+    assert torch.equal(fused.data.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fused.scale_inv, scale)
+
+
+@pytest.mark.parametrize("config_name", list(FUSED_CONFIGS))
+def test_swiglu_fp8_feeds_gemm_fp8_like_the_unfused_pair(config_name):
+    config = FUSED_CONFIGS[config_name]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2 * 128, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    probs = torch.rand(64, generator=gen).to(DEVICE).requires_grad_()
+    w = (torch.randn(96, 128, generator=gen) * 0.1).to(DEVICE, torch.bfloat16).requires_grad_()
+    grad = torch.randn(64, 96, generator=gen).to(DEVICE, torch.bfloat16)
+    results = []
+    for fused in (True, False):
+        x.grad = probs.grad = w.grad = None
+        a = swiglu_fp8(x, config, probs) if fused else swiglu_with_probs(x, probs)
+        gemm_fp8(a, w, trans_b=True, config=config).backward(grad)
+        results.append((x.grad, probs.grad, w.grad))
+    for fused_value, unfused_value in zip(*results, strict=True):
+        assert torch.equal(fused_value, unfused_value)
+
+
+def test_fused_fp8_opcheck_compile_and_bad_input():
+    x = torch.randn(6, 64, device=DEVICE)
+    probs = torch.rand(6, device=DEVICE)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    for granularity, block in ((0, 0), (1, 0), (2, 32)):
+        args = (x, probs, None, impl.SILU, torch.float8_e4m3fn, granularity, block)
+        torch.library.opcheck(impl.gated_act_fp8_fwd_impl, args, test_utils=utils)
+    config = FUSED_CONFIGS["rowwise"]
+    w = torch.randn(16, 32, device=DEVICE)
+
+    def step(x, probs):
+        return gemm_fp8(swiglu_fp8(x, config, probs), w, trans_b=True, config=config).sum()
+
+    leaves = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    eager = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
+    step(*eager).backward()
+    for a, b in zip(leaves, eager, strict=True):
+        assert torch.equal(a.grad, b.grad)
+    mx = Float8QuantConfig(
+        granularity=ScalingGranularity.MX_BLOCKWISE, block_size=32, scale_dtype=ScaleDtype.E8M0
+    )
+    with pytest.raises(ValueError, match="fuses TENSORWISE"):
+        swiglu_fp8(x, mx)
+    with pytest.raises(TypeError, match="Float8QuantConfig"):
+        geglu_fp8(x, "fp8")

@@ -12,10 +12,24 @@ import math
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    finish_tensorwise_fp8,
+    quantize_fp8_reference,
+    scale_inv_shape,
+)
 from primus_turbo.triton.activation import GELU_TANH, SILU, gated_act_bwd_triton, gated_act_fwd_triton
+from primus_turbo.triton.activation.gated_act_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
 from primus_turbo.triton.utils.device_info import interpreter_active
 
-__all__ = ["GELU_TANH", "SILU", "gated_act_bwd_impl", "gated_act_fwd_impl", "gated_act_reference"]
+__all__ = [
+    "GELU_TANH",
+    "SILU",
+    "gated_act_bwd_impl",
+    "gated_act_fp8_fwd_impl",
+    "gated_act_fwd_impl",
+    "gated_act_reference",
+]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -49,7 +63,7 @@ def gated_act_fwd_impl(
 ) -> torch.Tensor:
     """``act(x[:, :H]) * x[:, H:] (* probs)`` as a (rows, H) tensor of x's dtype."""
     if _use_triton(x):
-        return gated_act_fwd_triton(x, probs, row_mask, act)
+        return gated_act_fwd_triton(x, probs, row_mask, act)[0]
     return gated_act_reference(x, probs, row_mask, act).to(x.dtype)
 
 
@@ -77,3 +91,42 @@ def gated_act_bwd_impl(
 @gated_act_bwd_impl.register_fake
 def _gated_act_bwd_fake(dy, x, probs, row_mask, act):
     return x.new_empty(x.shape), x.new_empty(x.shape[0] if probs is not None else 0, dtype=torch.float32)
+
+
+_QUANT_MODES = {
+    ScalingGranularity.TENSORWISE.value: QUANT_TENSOR_AMAX,
+    ScalingGranularity.ROWWISE.value: QUANT_ROW,
+    ScalingGranularity.BLOCKWISE.value: QUANT_BLOCKS,
+}
+_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+@custom_op("primus_turbo::gated_act_fp8_fwd", mutates_args=())
+def gated_act_fp8_fwd_impl(
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    row_mask: torch.Tensor | None,
+    act: int,
+    fp8_dtype: torch.dtype,
+    granularity: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, q, scale_inv)``: the gated activation and ``quantize_fp8(out)`` along H (tensorwise, per
+    row or 1 x ``block_size`` blocks), bit for bit, from the same kernel."""
+    if not _use_triton(x) or (fp8_dtype in _FNUZ and torch.version.hip is None):
+        out = gated_act_reference(x, probs, row_mask, act).to(x.dtype)
+        return (out, *quantize_fp8_reference(out, fp8_dtype, granularity, block_size, 1, False))
+    mode = _QUANT_MODES[granularity]
+    out, q, scales = gated_act_fwd_triton(x, probs, row_mask, act, mode, fp8_dtype, block_size)
+    if mode != QUANT_TENSOR_AMAX:
+        return out, q, scales
+    return (out, *finish_tensorwise_fp8(out, scales, fp8_dtype))
+
+
+@gated_act_fp8_fwd_impl.register_fake
+def _gated_act_fp8_fwd_fake(x, probs, row_mask, act, fp8_dtype, granularity, block_size):
+    shape = (x.shape[0], x.shape[1] // 2)
+    scale = x.new_empty(
+        scale_inv_shape(torch.Size(shape), granularity, block_size, 1, False), dtype=torch.float32
+    )
+    return x.new_empty(shape), x.new_empty(shape, dtype=fp8_dtype), scale

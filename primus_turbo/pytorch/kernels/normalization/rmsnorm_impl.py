@@ -9,13 +9,12 @@ import torch
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    finish_tensorwise_fp8,
     quantize_fp8_reference,
     scale_inv_shape,
-    tensorwise_scales,
 )
 from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fwd_triton
 from primus_turbo.triton.normalization.rmsnorm_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
-from primus_turbo.triton.quantization import scale_cast_fp8_triton
 from primus_turbo.triton.utils.device_info import interpreter_active
 
 __all__ = [
@@ -143,11 +142,7 @@ def rmsnorm_fp8_fwd_impl(
     )
     if mode != QUANT_TENSOR_AMAX:
         return y, rstd, q, scales
-    amax = scales.amax() if scales.numel() else torch.zeros((), device=x.device)
-    multiplier, scale_inv = tensorwise_scales(amax, fp8_dtype)
-    q = torch.empty(y.shape, dtype=fp8_dtype, device=y.device)
-    scale_cast_fp8_triton(y, q, multiplier.reshape(1))
-    return y, rstd, q, scale_inv
+    return (y, rstd, *finish_tensorwise_fp8(y, scales, fp8_dtype))
 
 
 @rmsnorm_fp8_fwd_impl.register_fake

@@ -33,7 +33,7 @@ __all__ = [
     "quantize_fp8_with_trans_impl",
     "quantize_fp8_with_trans_reference",
     "scale_inv_shape",
-    "tensorwise_scales",
+    "finish_tensorwise_fp8",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -102,9 +102,16 @@ def e8m0_scales_from_amax(amax: torch.Tensor, emax: int) -> tuple[torch.Tensor, 
     return torch.exp2(-exponent.float()), stored
 
 
-def tensorwise_scales(amax: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(multiplier, scale_inv) of a 0-d amax under the tensorwise rules (shared by fused producers)."""
-    return _scales_from_amax(amax, fp8_dtype, mx=False)
+def finish_tensorwise_fp8(
+    y: torch.Tensor, row_amax: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv)`` of a contiguous ``y`` from the per-row amax a fused producer wrote (NaN for
+    rows holding NaN/inf): the tensorwise rules of ``quantize_fp8``, with one cast pass over ``y``."""
+    amax = row_amax.amax() if row_amax.numel() else torch.zeros((), device=y.device)
+    multiplier, scale_inv = _scales_from_amax(amax, fp8_dtype, mx=False)
+    q = torch.empty(y.shape, dtype=fp8_dtype, device=y.device)
+    scale_cast_fp8_triton(y, q, multiplier.reshape(1))
+    return q, scale_inv
 
 
 def _scales_from_amax(
