@@ -65,6 +65,9 @@ if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo \
     --shapes "${NORM_ACT_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/norm_act.csv" 2>&1 \
     | grep -v " INFO {" | tee "$OUT/bench_norm_act.log" || status=1
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo --fused-fp8 \
+    --shapes "${NORM_ACT_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
+    | grep -v " INFO {" | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \

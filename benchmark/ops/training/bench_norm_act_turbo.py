@@ -2,7 +2,9 @@
 
 Per op and shape: forward and backward time, the bandwidth they reach over the minimum bytes each pass
 must move, that bandwidth as a fraction of the device copy bandwidth measured in the same run, and the
-ratio to the compiled composite. See ``benchmark/README.md``.
+ratio to the compiled composite. ``--fused-fp8`` instead times the fused FP8 producers (``rmsnorm_fp8``,
+``swiglu_fp8`` per granularity) against the Turbo op followed by ``quantize_fp8`` and against
+``torch.compile`` of norm/activation + quantization. See ``benchmark/README.md``.
 
 Example::
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import logging
 import math
 import statistics
@@ -140,12 +143,88 @@ def copy_bandwidth(device: str, timer) -> float:
     return 2 * COPY_BYTES / ms / 1e6
 
 
+FUSED_GRANULARITIES = ("tensorwise", "rowwise", "blockwise")
+
+
+def _fp8_config(name: str):
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+
+    granularity = ScalingGranularity[name.upper()]
+    return Float8QuantConfig(
+        format=Format.HYBRID, granularity=granularity, block_size=128 if name == "blockwise" else None
+    )
+
+
+def _quantize_composite(y: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch FP8 quantization along the last dimension, for ``torch.compile`` to fuse."""
+    y32 = y.float()
+    if name == "blockwise":
+        y32 = y32.view(y.shape[0], -1, 128)
+    amax = y32.abs().amax() if name == "tensorwise" else y32.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, 448.0 / amax, 1.0)
+    q = (y32 * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(y.shape), 1.0 / scale
+
+
+def _fused_callables(base: str, tensors: tuple[torch.Tensor, ...], name: str) -> tuple[Callable, ...]:
+    """(fused producer, Turbo op + quantize_fp8, compiled composite) for one granularity."""
+    from primus_turbo.pytorch import ops
+
+    config = _fp8_config(name)
+    axis = None if name == "tensorwise" else 1
+    if base == "rmsnorm":
+        x, gamma = tensors
+        reference = functools.partial(_rmsnorm_ref, x, gamma)
+        fused = functools.partial(ops.rmsnorm_fp8, x, gamma, config)
+        unfused_op = functools.partial(ops.rmsnorm, x, gamma)
+    else:
+        (x,) = tensors
+        reference = functools.partial(_swiglu_ref, x)
+        fused = functools.partial(ops.swiglu_fp8, x, config)
+        unfused_op = functools.partial(ops.swiglu, x)
+
+    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        y = unfused_op()
+        return ops.quantize_fp8(
+            y, torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
+        )
+
+    composite = torch.compile(lambda: _quantize_composite(reference(), name))
+    return fused, unfused, composite
+
+
+def fused_rows(case: Case, args: argparse.Namespace, timer) -> list[dict]:
+    """Forward time of each fused FP8 producer against its unfused and compiled peers."""
+    base = "rmsnorm" if case.op == "rmsnorm" else "swiglu"
+    tensors = tuple(t.detach() for t in inputs(case, args.device)[0])
+    rows = []
+    for name in FUSED_GRANULARITIES:
+        if name == "blockwise" and case.hidden % 128:
+            continue
+        fused, unfused, composite = _fused_callables(base, tensors, name)
+        samples: dict[str, list[float]] = {"fused": [], "unfused": [], "compiled": []}
+        for _ in range(args.rounds):
+            with torch.no_grad():
+                samples["compiled"].append(timer(composite, None))
+                samples["unfused"].append(timer(unfused, None))
+                samples["fused"].append(timer(fused, None))
+        ms = {k: statistics.median(v) for k, v in samples.items()}
+        row = {"Model": case.model, "Op": f"{base}_fp8", "Granularity": name, "Tokens": case.tokens}
+        row.update({"Hidden": case.hidden, "Fused ms": ms["fused"], "Unfused ms": ms["unfused"]})
+        row.update({"Compiled ms": ms["compiled"], "vs unfused": ms["unfused"] / ms["fused"]})
+        row.update({"vs compiled": ms["compiled"] / ms["fused"]})
+        rows.append(row)
+        LOG.info("%s", row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run every case, write the CSV and print the table and summary."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--fused-fp8", action="store_true", help="time the fused FP8 producers instead")
     p.add_argument("-o", "--output", default="bench_norm_act.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -153,6 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbs = copy_bandwidth(args.device, timer) if args.device == "cuda" else float("nan")
     LOG.info("device copy bandwidth %.0f GB/s on %s", copy_gbs, platform_name(args.device))
     rows = []
+    if args.fused_fp8:
+        for case in cases(args.shapes):
+            if case.op in ("rmsnorm", "swiglu"):
+                rows += fused_rows(case, args, timer)
+        columns = ["Model", "Op", "Granularity", "Tokens", "Hidden", "vs unfused", "vs compiled"]
+        print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
+        _write_csv(args.output, rows)
+        return
     for case in cases(args.shapes):
         fn, ref = _turbo(case.op), REFERENCES[case.op]
         compiled = torch.compile(ref)
@@ -178,10 +265,15 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["Model", "Op", "Tokens", "Hidden", "fwd GB/s", "fwd of copy", "fwd vs compiled"]
     columns += ["bwd GB/s", "bwd of copy", "bwd vs compiled"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
-    with open(args.output, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    _write_csv(args.output, rows)
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    if rows:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":
