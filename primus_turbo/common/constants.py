@@ -3,6 +3,7 @@
 __all__ = [
     "ENV_ATTN_BACKEND",
     "ENV_AUTO_TUNE",
+    "ENV_DEBUG_CHECKS",
     "ENV_GEMM_BACKEND",
     "ENV_GROUPED_GEMM_BACKEND",
     "ENV_LOG_LEVEL",
@@ -16,5 +17,7 @@ ENV_GEMM_BACKEND = "PRIMUS_TURBO_GEMM_BACKEND"
 ENV_GROUPED_GEMM_BACKEND = "PRIMUS_TURBO_GROUPED_GEMM_BACKEND"
 ENV_ATTN_BACKEND = "PRIMUS_TURBO_ATTN_BACKEND"
 ENV_MOE_DISPATCH_COMBINE_BACKEND = "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND"
-# "0" restricts each Triton kernel to its first autotune config (fast test runs; no per-shape tuning).
+# "1" adds checks that need device values on the host (e.g. grouped GEMM group sizes): a sync per call.
+ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
+# "0" skips per-shape Triton autotuning: kernels launch one config picked by a heuristic.
 ENV_TRITON_AUTOTUNE = "PRIMUS_TURBO_TRITON_AUTOTUNE"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
-from primus_turbo.pytorch.modules import Float8Linear, Linear
+from primus_turbo.pytorch.modules import Float8Linear, GroupedLinear, Linear
 from tests.pytorch.test_utils import DEVICES, compute_snr, get_tolerances
 
 DEVICE = DEVICES[0]
@@ -110,3 +110,27 @@ def test_float8_linear_errors_and_repr():
     with pytest.raises(TypeError, match="nn.Linear"):
         Float8Linear.from_float(torch.nn.Conv1d(1, 1, 1))
     assert "fp8=TENSORWISE/E4M3" in repr(Float8Linear(16, 8))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_linear_matches_per_group_linear(bias):
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 32, 24, bias=bias, device=DEVICE)
+    lens = torch.tensor([5, 0, 7], dtype=torch.int64, device=DEVICE)
+    x = torch.randn(12, 32, device=DEVICE, requires_grad=True)
+    out = layer(x, lens)
+    bounds = [0, 5, 5, 12]
+    expected = torch.cat(
+        [
+            torch.nn.functional.linear(
+                x[bounds[g] : bounds[g + 1]], layer.weight[g], layer.bias[g] if bias else None
+            )
+            for g in range(3)
+        ]
+    )
+    torch.testing.assert_close(out, expected, **get_tolerances(torch.float32))
+    out.sum().backward()
+    assert layer.weight.grad.shape == layer.weight.shape and torch.all(layer.weight.grad[1] == 0)
+    assert "num_groups=3" in repr(layer)
+    with pytest.raises(ValueError, match="positive"):
+        GroupedLinear(0, 4, 4)

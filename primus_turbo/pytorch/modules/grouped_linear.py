@@ -1,0 +1,64 @@
+"""``GroupedLinear``: one linear layer per group (MoE experts) over tokens sorted by group."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(nn.Module):
+    """``y[rows of g] = x[rows of g] @ weight[g].T (+ bias[g])`` with ``weight`` [G, out, in].
+
+    ``forward(x, group_lens)`` takes ``x`` [T, in] with the tokens of group ``g`` contiguous and in
+    group order, and ``group_lens`` an int64 [G] tensor on the same device (no host sync).
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if min(num_groups, in_features, out_features) <= 0:
+            raise ValueError(
+                f"num_groups, in_features and out_features must be positive, got "
+                f"{num_groups}, {in_features}, {out_features}"
+            )
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each group initialised like ``torch.nn.Linear``."""
+        for w in self.weight:
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
+        out = grouped_gemm(x, self.weight, group_lens, trans_b=True)
+        if self.bias is None:
+            return out
+        group_of_row = torch.repeat_interleave(
+            torch.arange(self.num_groups, device=x.device), group_lens, output_size=x.shape[0]
+        )
+        return out + self.bias[group_of_row]
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.bias is not None}"
+        )

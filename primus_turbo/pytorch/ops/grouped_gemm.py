@@ -1,0 +1,113 @@
+"""Grouped GEMM for MoE experts with autograd:
+``grouped_gemm(a, b, group_lens, group_offs, trans_b, fuse_bgrad_accum_pattern)``.
+
+``a`` is [T, K] with the tokens of group ``g`` in rows ``offs[g]:offs[g + 1]``; ``b`` is [G, K, N], or
+[G, N, K] with ``trans_b`` (the expert-weight layout of ``nn.Linear``). Forward and dgrad are grouped
+GEMMs; wgrad is a variable-K grouped GEMM over each group's tokens. Group sizes stay on the device the
+whole way, so the op can be captured in a CUDA graph. Set ``PRIMUS_TURBO_DEBUG_CHECKS=1`` to also
+check, at the cost of a host sync per call, that ``group_lens`` are non-negative and sum to T.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from primus_turbo.common.constants import ENV_DEBUG_CHECKS
+from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
+from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
+from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
+from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
+    grouped_gemm_impl,
+    grouped_gemm_variable_k_accum_impl,
+    grouped_gemm_variable_k_impl,
+)
+
+__all__ = ["grouped_gemm"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _GroupedGemmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group_offs, trans_b, accum_pattern):
+        ctx.save_for_backward(a, b, group_offs)
+        ctx.trans_b, ctx.accum_pattern = trans_b, accum_pattern
+        return call_op(grouped_gemm_impl, a, b, group_offs, trans_b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b, group_offs = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = call_op(grouped_gemm_impl, grad_out, b, group_offs, not ctx.trans_b)
+        if ctx.needs_input_grad[1]:
+            # wgrad per group: [K, N] = a_g^T dy_g, or [N, K] = dy_g^T a_g for the transposed layout
+            lhs, rhs = (grad_out, a) if ctx.trans_b else (a, grad_out)
+            if ctx.accum_pattern == "megatron":
+                call_op(grouped_gemm_variable_k_accum_impl, lhs, rhs, group_offs, b.main_grad)
+                grad_b = finish_fused_wgrad(b)
+            else:
+                grad_b = call_op(grouped_gemm_variable_k_impl, lhs, rhs, group_offs)
+        return grad_a, grad_b, None, None, None
+
+
+def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:
+    """Host-side checks of the group sizes: where they are already on the host, or when asked; never
+    while compiling (the values are not known then)."""
+    if torch.compiler.is_compiling():
+        return
+    if group_lens.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
+        return
+    if bool((group_lens < 0).any()):
+        raise ValueError(f"group_lens must be non-negative, got {group_lens.tolist()}")
+    total = int(group_lens.sum())
+    if total != tokens:
+        raise ValueError(f"group_lens sum to {total}, but a has {tokens} rows")
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_lens: torch.Tensor,
+    group_offs: torch.Tensor | None = None,
+    trans_b: bool = False,
+    fuse_bgrad_accum_pattern: str | None = None,
+) -> torch.Tensor:
+    """[T, N]: each group's rows of ``a`` [T, K] times its ``b[g]`` ([K, N], or [N, K] with ``trans_b``).
+
+    ``group_lens`` is an int64 [G] tensor on ``a``'s device; ``group_offs`` its exclusive prefix sum
+    ([G + 1], computed when omitted). Differentiable in ``a`` and ``b``; with
+    ``fuse_bgrad_accum_pattern="megatron"`` the weight gradient is added into ``b.main_grad``.
+    """
+    check_tensor("a", a, dim=2)
+    check_tensor("b", b, dim=3)
+    check_dtype("a.dtype", a.dtype, _DTYPES)
+    if b.dtype != a.dtype:
+        raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    check_tensor("group_lens", group_lens, dim=1)
+    check_dtype("group_lens.dtype", group_lens.dtype, (torch.int64,))
+    check_same_device(a=a, b=b, group_lens=group_lens)
+    if not isinstance(trans_b, bool):
+        raise TypeError(f"trans_b must be a bool, got {trans_b!r}")
+    groups, k_b = b.shape[0], (b.shape[2] if trans_b else b.shape[1])
+    if group_lens.shape[0] != groups:
+        raise ValueError(f"group_lens has {group_lens.shape[0]} groups but b has {groups}")
+    if a.shape[1] != k_b:
+        raise ValueError(
+            f"a has K={a.shape[1]} but b has K={k_b} ({'[G, N, K]' if trans_b else '[G, K, N]'})"
+        )
+    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
+    _check_group_sizes(group_lens, a.shape[0])
+    if group_offs is None:
+        group_offs = compute_group_offs(group_lens)
+    else:
+        check_tensor("group_offs", group_offs, dim=1)
+        check_dtype("group_offs.dtype", group_offs.dtype, (torch.int64,))
+        if group_offs.shape[0] != groups + 1:
+            raise ValueError(f"group_offs must have G + 1 = {groups + 1} entries, got {group_offs.shape[0]}")
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    return _GroupedGemmFunction.apply(a, b, group_offs, trans_b, fuse_bgrad_accum_pattern)

@@ -1,0 +1,8 @@
+"""Grouped GEMM kernels (MoE experts)."""
+
+from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    grouped_gemm_triton,
+    grouped_gemm_variable_k_triton,
+)
+
+__all__ = ["grouped_gemm_triton", "grouped_gemm_variable_k_triton"]

@@ -1,0 +1,246 @@
+"""Grouped GEMM for MoE experts in Triton, with group offsets read on the device (no host sync).
+
+- ``grouped_gemm_triton``: ``out[rows of g] = a[rows of g] @ op(b[g])`` for ``a`` [T, K] and ``b``
+  [G, K, N] (or [G, N, K], read transposed through strides). A persistent grid walks the groups on the
+  device: tile ``i`` of the concatenated tile list goes to program ``i % NUM_SMS``, so skewed routing
+  spreads evenly and empty groups cost nothing.
+- ``grouped_gemm_variable_k_triton``: ``out[g] = lhs[rows of g]^T @ rhs[rows of g]`` for ``lhs``
+  [T, P] and ``rhs`` [T, Q] (the weight gradient: the reduction runs over each group's tokens); one
+  program per (group, output tile), so the grid is known without the group sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
+
+__all__ = ["grouped_gemm_triton", "grouped_gemm_variable_k_triton"]
+
+
+def _configs() -> list[triton.Config]:
+    if interpreter_active():
+        shapes = [(32, 32, 32, 1, 4)]
+    elif torch.version.hip is not None:
+        shapes = [(256, 256, 64, 2, 8), (128, 128, 64, 2, 4), (64, 128, 64, 2, 4)]
+    else:
+        shapes = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in shapes
+    ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    return configs if kernel_autotune_enabled() else configs[:1]
+
+
+class _KeepOutput:
+    """Autotune hooks: timing runs of an accumulating launch leave the caller's output unchanged."""
+
+    saved: torch.Tensor | None = None
+
+    def save(self, nargs: dict, reset_only: bool = False) -> None:
+        if nargs.get("ACCUMULATE") and not reset_only:
+            self.saved = nargs["out_ptr"].clone()
+
+    def restore(self, nargs: dict, exception: BaseException | None) -> None:
+        if self.saved is not None:
+            nargs["out_ptr"].copy_(self.saved)
+            self.saved = None
+
+
+_keep_output = _KeepOutput()
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "G", "DTYPES", "TRANS_B"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit(do_not_specialize=["N", "K", "G"])
+def _grouped_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    offs_ptr,
+    G,
+    N,
+    K,
+    stride_am,
+    stride_bg,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    DTYPES: tl.constexpr,
+    TRANS_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_before = 0
+    for g in range(G):
+        start = tl.load(offs_ptr + g)
+        end = tl.load(offs_ptr + g + 1)
+        group_tiles = tl.cdiv(end - start, BLOCK_M) * num_pid_n
+        first = (pid - tiles_before % NUM_SMS + NUM_SMS) % NUM_SMS
+        for t in range(first, group_tiles, NUM_SMS):
+            rows = start + (t // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = (t % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < end
+            col_ok = cols < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            b_base = b_ptr + (start - start + g) * stride_bg  # int64, like the offsets
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                a = tl.load(
+                    a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tiles_before += group_tiles
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["P", "Q", "G", "DTYPES", "ACCUMULATE"],
+    prune_configs_by={"early_config_prune": _prune},
+    pre_hook=_keep_output.save,
+    post_hook=_keep_output.restore,
+)
+@triton.jit(do_not_specialize=["P", "Q", "G"])
+def _grouped_gemm_variable_k_kernel(
+    lhs_ptr,
+    rhs_ptr,
+    out_ptr,
+    offs_ptr,
+    G,
+    P,
+    Q,
+    stride_lt,
+    stride_rt,
+    stride_og,
+    stride_op,
+    ACCUMULATE: tl.constexpr,
+    DTYPES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the group's tokens."""
+    g = tl.program_id(0)
+    tile = tl.program_id(1)
+    num_pid_q = tl.cdiv(Q, BLOCK_N)
+    ps = (tile // num_pid_q) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qs = (tile % num_pid_q) * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_ok = ps < P
+    q_ok = qs < Q
+    start = tl.load(offs_ptr + g)
+    end = tl.load(offs_ptr + g + 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_ok = ks < end
+        lhs = tl.load(
+            lhs_ptr + ks[:, None] * stride_lt + ps[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0
+        )
+        rhs = tl.load(
+            rhs_ptr + ks[:, None] * stride_rt + qs[None, :], mask=k_ok[:, None] & q_ok[None, :], other=0.0
+        )
+        acc = tl.dot(lhs.T, rhs, acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + g.to(tl.int64) * stride_og + ps[:, None] * stride_op + qs[None, :]
+    mask = p_ok[:, None] & q_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def grouped_gemm_triton(
+    a: torch.Tensor, b: torch.Tensor, group_offs: torch.Tensor, trans_b: bool
+) -> torch.Tensor:
+    """[T, N] output of the grouped GEMM; ``a`` [T, K] with a unit column stride, ``group_offs`` the
+    int64 [G + 1] exclusive prefix sum of the group sizes (on the device)."""
+    tokens, k = a.shape
+    groups = b.shape[0]
+    n = b.shape[1] if trans_b else b.shape[2]
+    out = torch.empty((tokens, n), dtype=a.dtype, device=a.device)
+    if tokens == 0 or n == 0:
+        return out
+    if k == 0 or groups == 0:
+        return out.zero_()
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    sms = num_sms(a.device)
+    _grouped_gemm_kernel[(sms,)](
+        a,
+        b,
+        out,
+        group_offs,
+        groups,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        stride_bk,
+        stride_bn,
+        out.stride(0),
+        DTYPES=str(a.dtype),
+        TRANS_B=trans_b,
+        DOT_PRECISION=_precision(a.dtype),
+        NUM_SMS=sms,
+    )
+    return out
+
+
+def grouped_gemm_variable_k_triton(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_offs: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """``out[g] (+)= lhs[rows of g]^T @ rhs[rows of g]`` into ``out`` [G, P, Q]; ``lhs`` [T, P] and
+    ``rhs`` [T, Q] with unit column strides; a group without rows gives zeros (or leaves ``out``)."""
+    groups, p, q = out.shape
+    if groups == 0 or p == 0 or q == 0:
+        return out
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (groups, triton.cdiv(p, meta["BLOCK_M"]) * triton.cdiv(q, meta["BLOCK_N"]))
+
+    _grouped_gemm_variable_k_kernel[grid](
+        lhs,
+        rhs,
+        out,
+        group_offs,
+        groups,
+        p,
+        q,
+        lhs.stride(0),
+        rhs.stride(0),
+        out.stride(0),
+        out.stride(1),
+        ACCUMULATE=accumulate,
+        DTYPES=f"{lhs.dtype}->{out.dtype}",
+        DOT_PRECISION=_precision(lhs.dtype),
+    )
+    return out
