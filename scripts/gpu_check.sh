@@ -12,6 +12,7 @@
 #                       (FP8_SHAPES, default quick)
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
+#   GROUPED=1           also run the grouped GEMM benchmark (GROUPED_SHAPES, default quick)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -68,6 +69,11 @@ if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo --fused-fp8 \
     --shapes "${NORM_ACT_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
     | grep -v " INFO {" | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
+fi
+if [ "${GROUPED:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
+    --shapes "${GROUPED_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/grouped_gemm.csv" 2>&1 \
+    | grep -v " INFO {" | tee "$OUT/bench_grouped_gemm.log" || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
