@@ -312,6 +312,8 @@ def fused_fp8_settings(config: object, producer: str) -> tuple[torch.dtype, int,
         raise ValueError(
             f"{producer} fuses TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
         )
+    if config.granularity is ScalingGranularity.BLOCKWISE and config.block_size not in _BLOCK_SIZES:
+        raise ValueError(f"{producer} needs block_size in {_BLOCK_SIZES}, got {config.block_size}")
     return fp8_dtype_for(config.format, is_forward=True), config.granularity.value, config.block_size or 0
 
 

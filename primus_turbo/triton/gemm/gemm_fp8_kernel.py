@@ -19,6 +19,7 @@ from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
     kernel_autotune_enabled,
+    max_shared_memory,
     num_sms,
     supports_tma,
 )
@@ -71,14 +72,26 @@ def _set_block_shapes(nargs: dict) -> None:
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """Per-K-block scales need BLOCK_K equal to the scale block; keep one config without autotuning."""
-    scale_block = kwargs.get("SCALE_BLOCK", 0)
+def _fp8_smem_bytes(config: triton.Config, out_bytes: int) -> int:
+    """Shared memory of a config: pipelined FP8 operand tiles plus the output tile the epilogue stages."""
+    kw = config.kwargs
+    operands = config.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"]
+    return operands + kw["BLOCK_M"] * kw["BLOCK_N"] * out_bytes
+
+
+def _usable(configs: list[triton.Config], scale_block: int, out: torch.Tensor) -> list[triton.Config]:
+    """Configs whose BLOCK_K matches the per-K-block scales and whose tiles fit in shared memory."""
     if scale_block:
         configs = [c for c in configs if c.kwargs["BLOCK_K"] == scale_block]
         if not configs:
             raise ValueError(f"no FP8 GEMM config has BLOCK_K = {scale_block}")
-    return configs if kernel_autotune_enabled() else configs[:1]
+    budget = max_shared_memory(out.device) - 1024
+    fitting = [c for c in configs if _fp8_smem_bytes(c, out.element_size()) <= budget]
+    return fitting or configs[-1:]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    return _usable(configs, int(kwargs.get("SCALE_BLOCK", 0)), named_args["c_ptr"])
 
 
 # The launch arguments of the config the autotuner chose, per problem; later calls with the same problem
@@ -193,7 +206,8 @@ def _gemm_fp8_kernel(
                 )
                 acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
             else:
-                acc = tl.dot(a, b.T, acc)
+                # promote to fp32 after every K-block: Hopper's FP8 MMA accumulates with fewer bits
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
         if not PER_BLOCK:
             sa = _load_scales(a_scale_ptr, rows_m, m_ok, 0, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK)
             sb = _load_scales(b_scale_ptr, rows_n, n_ok, 0, stride_bs_r, stride_bs_k, B_MODE, SCALE_BLOCK)
@@ -255,6 +269,9 @@ def gemm_fp8_triton(
     flags.update(USE_TMA=use_tma, NUM_SMS=sms)
     key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], use_tma, out.device)
     chosen = _chosen.get(key)
+    if chosen is None and not kernel_autotune_enabled():
+        config = _usable(_gemm_fp8_kernel.configs, scale_block, out)[0]
+        chosen = _chosen[key] = (config, {**flags, **config.all_kwargs()})
     if chosen is None:
         placeholder = [1, 1]
         operands = (

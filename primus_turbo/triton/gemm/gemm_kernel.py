@@ -132,22 +132,34 @@ def _untuned_choice(configs: list[triton.Config], m: int, n: int, num_sms: int) 
     return first
 
 
+def _fitting(
+    configs: list[triton.Config], in_bytes: int, out_bytes: int, accumulate: bool, device: torch.device
+) -> list[triton.Config]:
+    """Configs whose operand and epilogue tiles fit the device's shared memory (LDS on AMD); fp32 and
+    accumulation need smaller tiles. The last config is kept if none fits."""
+    budget = max_shared_memory(device) - _SMEM_SLACK
+    fitting = [c for c in configs if _smem_bytes(c, in_bytes, out_bytes, accumulate) <= budget]
+    return fitting or configs[-1:]
+
+
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """Drop configs that cannot fit the operand dtypes in shared memory (fp32 and accumulation need
-    smaller tiles); keep one config chosen by a heuristic when kernel autotuning is off."""
+    """Autotune pruning: drop the configs that cannot fit in shared memory."""
     a, out = (
         named_args[name] for name in (("a_desc", "c_desc") if "a_desc" in named_args else ("a_ptr", "c_ptr"))
     )
     a, out = (t.base if isinstance(t, TensorDescriptor) else t for t in (a, out))
-    accumulate = bool(kwargs.get("ACCUMULATE"))
-    budget = max_shared_memory(out.device) - _SMEM_SLACK
-    fitting = [
-        c for c in configs if _smem_bytes(c, a.element_size(), out.element_size(), accumulate) <= budget
-    ]
-    fitting = fitting or configs[-1:]
-    if kernel_autotune_enabled():
-        return fitting
-    return [_untuned_choice(fitting, named_args["M"], named_args["N"], num_sms(out.device))]
+    return _fitting(configs, a.element_size(), out.element_size(), bool(kwargs.get("ACCUMULATE")), out.device)
+
+
+def _untuned_config(
+    kernel, a: torch.Tensor, out: torch.Tensor, accumulate: bool, m: int, n: int
+) -> triton.Config:
+    """The config launched without autotuning: chosen on the host, so no timing run ever happens (the
+    autotuner would time even a single config, which costs time per shape and breaks graph capture)."""
+    configs = _fitting(kernel.configs, a.element_size(), out.element_size(), accumulate, out.device)
+    if "STREAM_K" not in configs[0].kwargs:
+        return configs[0]
+    return _untuned_choice(configs, m, n, num_sms(out.device))
 
 
 def _set_tma_block_shapes(nargs: dict) -> None:
@@ -400,7 +412,9 @@ def _gemm_tma_persistent_kernel(
     partial sum in ``partials_ptr[pid]`` and raises ``flags_ptr[pid]``; the program that computes a
     tile's last K-block owns the tile, adds the partials of the lower programs in a fixed order
     (deterministic), resets their flags and writes the output. Owners only wait on lower program ids,
-    which start first on the GPU and run first under the interpreter.
+    which start first on the GPU and run first under the interpreter. The grid is one program per SM,
+    so every program is resident when the kernel has the GPU; kernels running alongside (communication
+    overlap) can only delay an owner until their SMs free up.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -616,6 +630,10 @@ def _launch_tma(a, b, out, m, n, k, trans_a, trans_b, accumulate, dtypes, precis
     key = ("tma", m, n, k, trans_a, trans_b, accumulate, dtypes, out.device)
     if config is None and key in _chosen:
         config, launch_kwargs = _chosen[key]
+    elif config is None and not kernel_autotune_enabled():
+        config = _untuned_config(_gemm_tma_persistent_kernel, a, out, accumulate, m, n)
+        launch_kwargs = {**flags, **config.all_kwargs()}
+        _chosen[key] = (config, launch_kwargs)
     elif config is None:
         placeholder = [1, 1]
         descs = [TensorDescriptor.from_tensor(t, placeholder) for t in (a, b, out)]
@@ -645,6 +663,10 @@ def _launch_pointer(a, b, out, m, n, k, trans_a, trans_b, accumulate, dtypes, pr
     key = ("pointer", m, n, k, accumulate, dtypes, out.device)
     if config is None and key in _chosen:
         config, launch_kwargs = _chosen[key]
+    elif config is None and not kernel_autotune_enabled():
+        config = _untuned_config(_gemm_pointer_kernel, a, out, accumulate, m, n)
+        launch_kwargs = {**flags, **config.all_kwargs()}
+        _chosen[key] = (config, launch_kwargs)
     elif config is None:
 
         def grid(meta: dict) -> tuple[int]:

@@ -171,6 +171,18 @@ def _grouped_gemm_variable_k_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    """Through the autotuner, or with the first config directly when autotuning is off (the autotuner
+    would still time a lone config, per shape, and that breaks CUDA-graph capture)."""
+    if kernel_autotune_enabled():
+        kernel[grid](*args, **kwargs)
+        return
+    config = kernel.configs[0]
+    params = {**kwargs, **config.all_kwargs()}
+    grid = grid(params) if callable(grid) else grid
+    kernel.fn[grid](*args, **params)
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -190,7 +202,9 @@ def grouped_gemm_triton(
         return out.zero_()
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     sms = num_sms(a.device)
-    _grouped_gemm_kernel[(sms,)](
+    _launch(
+        _grouped_gemm_kernel,
+        (sms,),
         a,
         b,
         out,
@@ -227,7 +241,9 @@ def grouped_gemm_variable_k_triton(
     def grid(meta: dict) -> tuple[int, int]:
         return (groups, triton.cdiv(p, meta["BLOCK_M"]) * triton.cdiv(q, meta["BLOCK_N"]))
 
-    _grouped_gemm_variable_k_kernel[grid](
+    _launch(
+        _grouped_gemm_variable_k_kernel,
+        grid,
         lhs,
         rhs,
         out,

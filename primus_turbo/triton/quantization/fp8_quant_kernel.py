@@ -175,7 +175,7 @@ def _quantize_dual_blocks_kernel(
 @triton.jit
 def _scale_cast_kernel(x_ptr, q_ptr, scale_ptr, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """q = saturate(x * scale) for a contiguous tensor and one scale read from device memory."""
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     scale = tl.load(scale_ptr)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
