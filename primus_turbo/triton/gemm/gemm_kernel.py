@@ -530,21 +530,27 @@ def _gemm_pointer_kernel(
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    # int64 scalar bases for the tile, int32 offsets inside it: 2-D int64 pointer math costs registers
+    first_m = pid_m * BLOCK_M
+    first_n = pid_n * BLOCK_N
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + first_m.to(tl.int64) * stride_am + (rows[:, None] * stride_am + ks[None, :] * stride_ak)
+    b_ptrs = b_ptr + first_n.to(tl.int64) * stride_bn + (ks[:, None] * stride_bk + cols[None, :] * stride_bn)
+    m_ok = (first_m + rows) < M
+    n_ok = (first_n + cols) < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(tl.cdiv(K, BLOCK_K)):
         k_left = K - ki * BLOCK_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (ks[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(ks[:, None] < k_left) & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    c_base = c_ptr + first_m.to(tl.int64) * stride_cm + first_n.to(tl.int64) * stride_cn
+    c_ptrs = c_base + (rows[:, None] * stride_cm + cols[None, :] * stride_cn)
+    c_mask = m_ok[:, None] & n_ok[None, :]
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
