@@ -12,6 +12,7 @@ from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
+from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_fp8, rmsnorm_residual
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
@@ -34,6 +35,7 @@ __all__ = [
     "gemm_fp4",
     "gemm_fp8",
     "grouped_gemm",
+    "grouped_gemm_fp8",
     "quantize_fp4",
     "quantize_fp4_with_trans",
     "quantize_fp8",

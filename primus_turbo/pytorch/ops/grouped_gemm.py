@@ -25,7 +25,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     grouped_gemm_variable_k_impl,
 )
 
-__all__ = ["grouped_gemm"]
+__all__ = ["check_grouped_args", "grouped_gemm"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -69,20 +69,8 @@ def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:
         raise ValueError(f"group_lens sum to {total}, but a has {tokens} rows")
 
 
-def grouped_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_lens: torch.Tensor,
-    group_offs: torch.Tensor | None = None,
-    trans_b: bool = False,
-    fuse_bgrad_accum_pattern: str | None = None,
-) -> torch.Tensor:
-    """[T, N]: each group's rows of ``a`` [T, K] times its ``b[g]`` ([K, N], or [N, K] with ``trans_b``).
-
-    ``group_lens`` is an int64 [G] tensor on ``a``'s device; ``group_offs`` its exclusive prefix sum
-    ([G + 1], computed when omitted). Differentiable in ``a`` and ``b``; with
-    ``fuse_bgrad_accum_pattern="megatron"`` the weight gradient is added into ``b.main_grad``.
-    """
+def check_grouped_args(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, trans_b: bool) -> None:
+    """Shapes, dtypes and devices of a grouped GEMM call (and the group sizes where they can be read)."""
     check_tensor("a", a, dim=2)
     check_tensor("b", b, dim=3)
     check_dtype("a.dtype", a.dtype, _DTYPES)
@@ -100,14 +88,33 @@ def grouped_gemm(
         raise ValueError(
             f"a has K={a.shape[1]} but b has K={k_b} ({'[G, N, K]' if trans_b else '[G, K, N]'})"
         )
-    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     _check_group_sizes(group_lens, a.shape[0])
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_lens: torch.Tensor,
+    group_offs: torch.Tensor | None = None,
+    trans_b: bool = False,
+    fuse_bgrad_accum_pattern: str | None = None,
+) -> torch.Tensor:
+    """[T, N]: each group's rows of ``a`` [T, K] times its ``b[g]`` ([K, N], or [N, K] with ``trans_b``).
+
+    ``group_lens`` is an int64 [G] tensor on ``a``'s device; ``group_offs`` its exclusive prefix sum
+    ([G + 1], computed when omitted). Differentiable in ``a`` and ``b``; with
+    ``fuse_bgrad_accum_pattern="megatron"`` the weight gradient is added into ``b.main_grad``.
+    """
+    check_grouped_args(a, b, group_lens, trans_b)
+    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     if group_offs is None:
         group_offs = compute_group_offs(group_lens)
     else:
         check_tensor("group_offs", group_offs, dim=1)
         check_dtype("group_offs.dtype", group_offs.dtype, (torch.int64,))
-        if group_offs.shape[0] != groups + 1:
-            raise ValueError(f"group_offs must have G + 1 = {groups + 1} entries, got {group_offs.shape[0]}")
+        if group_offs.shape[0] != b.shape[0] + 1:
+            raise ValueError(
+                f"group_offs must have G + 1 = {b.shape[0] + 1} entries, got {group_offs.shape[0]}"
+            )
     a = a if a.stride(-1) == 1 else a.contiguous()
     return _GroupedGemmFunction.apply(a, b, group_offs, trans_b, fuse_bgrad_accum_pattern)

@@ -34,6 +34,7 @@ __all__ = [
     "quantize_fp8_with_trans_reference",
     "scale_inv_shape",
     "finish_tensorwise_fp8",
+    "tensorwise_multipliers",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -100,6 +101,11 @@ def e8m0_scales_from_amax(amax: torch.Tensor, emax: int) -> tuple[torch.Tensor, 
     exponent = torch.where(finite, exponent, 0)
     stored = torch.where(finite, torch.exp2(exponent.float()), torch.nan).to(torch.float8_e8m0fnu)
     return torch.exp2(-exponent.float()), stored
+
+
+def tensorwise_multipliers(amax: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(multiplier for x, scale_inv) of any amax tensor under the rules of ``quantize_fp8``."""
+    return _scales_from_amax(amax, fp8_dtype, mx=False)
 
 
 def finish_tensorwise_fp8(

@@ -1,0 +1,197 @@
+"""FP8 grouped GEMM custom ops and their backends, plus the per-group column quantization the
+variable-K (wgrad) GEMM needs.
+
+- ``primus_turbo::grouped_gemm_fp8``: [T, N] = per group ``(a * a_scale) @ op(b[g] * b_scale[g])`` with
+  ``a`` [T, K], ``b`` [G, K, N] (or [G, N, K] with ``trans_b``); ``a_scale`` is 0-d (tensorwise) or
+  [T, 1] (per row), ``b_scale`` broadcasts against ``b`` ([G, 1, 1] per expert, or per row along K).
+- ``primus_turbo::grouped_gemm_fp8_variable_k``: [G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` over the
+  group's rows, with 0-d scales or one scale per (group, column) ([G, P] and [G, Q]).
+- ``primus_turbo::quantize_fp8_group_columns``: x [T, C] quantized along its rows within each group,
+  one scale per (group, column): the wgrad operands of the row-wise recipe.
+
+Backends: TORCH (dequantize and multiply: the reference, any device) and HIPBLASLT
+(``torch._scaled_grouped_mm``, row-wise forward and dgrad on GPUs that have it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    PrecisionType,
+)
+from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import tensorwise_multipliers
+
+__all__ = [
+    "GroupedGemmFp8Dispatcher",
+    "grouped_gemm_fp8_impl",
+    "grouped_gemm_fp8_variable_k_impl",
+    "quantize_fp8_group_columns_impl",
+]
+
+
+def _group_ids(group_offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The group of every row, from the device offsets (no host sync)."""
+    groups = group_offs.numel() - 1
+    lens = group_offs[1:] - group_offs[:-1]
+    return torch.repeat_interleave(torch.arange(groups, device=group_offs.device), lens, output_size=tokens)
+
+
+def _segment_mm(lhs: torch.Tensor, rhs: torch.Tensor, group_offs: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, N] = per group lhs[rows] @ rhs[g] (``torch._grouped_mm`` on the CPU, a loop elsewhere)."""
+    if lhs.device.type == "cpu" and hasattr(torch, "_grouped_mm") and lhs.shape[0] > 0:
+        return torch._grouped_mm(lhs, rhs, offs=group_offs[1:].to(torch.int32))
+    bounds = group_offs.tolist()
+    out = lhs.new_zeros((lhs.shape[0], rhs.shape[2]))
+    for g in range(rhs.shape[0]):
+        torch.mm(lhs[bounds[g] : bounds[g + 1]], rhs[g], out=out[bounds[g] : bounds[g + 1]])
+    return out
+
+
+class TorchGroupedGemmFp8Backend(KernelBackend):
+    """Dequantize to fp32 and multiply per group: the reference, on any device (host sync on GPUs)."""
+
+    autotune = False
+
+    @staticmethod
+    def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, **_: Any) -> torch.Tensor:
+        rhs = b.float() * b_scale
+        rhs = rhs.transpose(1, 2) if trans_b else rhs
+        return _segment_mm(a.float() * a_scale, rhs, group_offs).to(out_dtype)
+
+
+class HipblasltGroupedGemmFp8Backend(KernelBackend):
+    """``torch._scaled_grouped_mm`` (cuBLASLt/hipBLASLt): row-wise scales, weights stored [G, N, K]."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not torch.cuda.is_available() or not hasattr(torch, "_scaled_grouped_mm"):
+            return "needs a GPU build of torch with torch._scaled_grouped_mm"
+        return None
+
+    @classmethod
+    def unsupported_reason(cls, a, a_scale, b, trans_b, out_dtype, **_: Any) -> str | None:
+        if a.device.type != "cuda":
+            return f"needs GPU tensors, got {a.device}"
+        if a_scale.dim() != 2 or not trans_b:
+            return "handles row-wise scales with [G, N, K] weights only"
+        if out_dtype != torch.bfloat16 or a.shape[1] % 16 or b.shape[1] % 16:
+            return "needs bf16 output and K, N multiples of 16"
+        return None
+
+    @staticmethod
+    def execute(a, a_scale, b, b_scale, group_offs, out_dtype, **_: Any) -> torch.Tensor:
+        offs = group_offs[1:].to(torch.int32)
+        scale_b = b_scale.reshape(b.shape[0], b.shape[1])
+        return torch._scaled_grouped_mm(
+            a, b.transpose(1, 2), a_scale.reshape(-1), scale_b, offs=offs, out_dtype=out_dtype
+        )
+
+
+class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
+    """Backend choice for the FP8 grouped GEMM (forward and dgrad)."""
+
+    op_name = "grouped_gemm_fp8"
+    backends = {
+        BackendType.HIPBLASLT: HipblasltGroupedGemmFp8Backend,
+        BackendType.TORCH: TorchGroupedGemmFp8Backend,
+    }
+
+    @classmethod
+    def make_key(cls, a, a_scale, b, trans_b, out_dtype, **_: Any) -> Hashable:
+        return (a.device.type, 1 << max(a.shape[0] - 1, 0).bit_length(), *b.shape, a_scale.dim(), trans_b)
+
+    @classmethod
+    def default_backend(cls, a, a_scale, trans_b, **_: Any) -> BackendType:
+        vendor = a.device.type == "cuda" and a_scale.dim() == 2 and trans_b
+        return BackendType.HIPBLASLT if vendor else BackendType.TORCH
+
+
+@custom_op("primus_turbo::grouped_gemm_fp8", mutates_args=())
+def grouped_gemm_fp8_impl(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_offs: torch.Tensor,
+    trans_b: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """[T, N] grouped product of FP8 operands with their dequantization scales."""
+    choice = GlobalBackendManager.get_grouped_gemm_backend(PrecisionType.FP8)
+    return GroupedGemmFp8Dispatcher.dispatch(
+        choice,
+        a=a,
+        a_scale=a_scale,
+        b=b,
+        b_scale=b_scale,
+        group_offs=group_offs,
+        trans_b=trans_b,
+        out_dtype=out_dtype,
+    )
+
+
+@grouped_gemm_fp8_impl.register_fake
+def _grouped_gemm_fp8_fake(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1] if trans_b else b.shape[2]), dtype=out_dtype)
+
+
+@custom_op("primus_turbo::grouped_gemm_fp8_variable_k", mutates_args=())
+def grouped_gemm_fp8_variable_k_impl(
+    lhs: torch.Tensor,
+    lhs_scale: torch.Tensor,
+    rhs: torch.Tensor,
+    rhs_scale: torch.Tensor,
+    group_offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows."""
+    groups = group_offs.numel() - 1
+    ids = _group_ids(group_offs, lhs.shape[0])
+    left = lhs.float() * (lhs_scale[ids] if lhs_scale.dim() else lhs_scale)
+    right = rhs.float() * (rhs_scale[ids] if rhs_scale.dim() else rhs_scale)
+    if lhs.device.type == "cpu" and hasattr(torch, "_grouped_mm") and lhs.shape[0] > 0:
+        out = torch._grouped_mm(left.t(), right, offs=group_offs[1:].to(torch.int32))
+    else:
+        bounds = group_offs.tolist()
+        out = left.new_zeros((groups, lhs.shape[1], rhs.shape[1]))
+        for g in range(groups):
+            torch.mm(left[bounds[g] : bounds[g + 1]].t(), right[bounds[g] : bounds[g + 1]], out=out[g])
+    return out.to(out_dtype)
+
+
+@grouped_gemm_fp8_variable_k_impl.register_fake
+def _grouped_gemm_fp8_variable_k_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype):
+    return lhs.new_empty((group_offs.shape[0] - 1, lhs.shape[1], rhs.shape[1]), dtype=out_dtype)
+
+
+@custom_op("primus_turbo::quantize_fp8_group_columns", mutates_args=())
+def quantize_fp8_group_columns_impl(
+    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, C], scale_inv [G, C])``: x quantized along its rows within each group, one scale per
+    (group, column), with the scale rules of ``quantize_fp8`` (zeros -> 1, NaN/inf -> NaN, saturation)."""
+    groups = group_offs.numel() - 1
+    ids = _group_ids(group_offs, x.shape[0])
+    mag = x.float().abs()
+    amax = mag.new_zeros((groups, x.shape[1])).scatter_reduce(0, ids[:, None].expand_as(mag), mag, "amax")
+    multiplier, scale_inv = tensorwise_multipliers(amax, fp8_dtype)
+    fp8_max = torch.finfo(fp8_dtype).max
+    q = (x.float() * multiplier[ids]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return q, scale_inv
+
+
+@quantize_fp8_group_columns_impl.register_fake
+def _quantize_fp8_group_columns_fake(x, group_offs, fp8_dtype):
+    groups = group_offs.shape[0] - 1
+    return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x.new_empty(
+        (groups, x.shape[1]), dtype=torch.float32
+    )
