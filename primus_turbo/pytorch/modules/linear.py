@@ -94,6 +94,8 @@ class Float8Linear(Linear):
         """An FP8 layer that shares ``linear``'s weight and bias parameters (no copy)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float takes an nn.Linear, got {type(linear).__name__}")
+        if config is not None and not isinstance(config, Float8QuantConfig):
+            raise TypeError(f"config must be a Float8QuantConfig or None, got {config!r}")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features

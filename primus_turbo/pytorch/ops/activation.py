@@ -91,9 +91,14 @@ def _check(x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor |
             raise ValueError(f"row_mask must be [tokens] for x [tokens, 2H], got {tuple(row_mask.shape)}")
 
 
+def _per_row(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read per-row tensors (probs, row_mask) with a unit stride."""
+    return None if t is None else t.contiguous()
+
+
 def _gated(x, probs, row_mask, act) -> torch.Tensor:
     _check(x, probs, row_mask)
-    return _GatedActFunction.apply(x, probs, row_mask, act)
+    return _GatedActFunction.apply(x, _per_row(probs), _per_row(row_mask), act)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +129,9 @@ def _gated_fp8(x, config, probs, row_mask, act) -> QuantizedTensor:
     _check(x, probs, row_mask)
     check_tensor("x", x, dim=2)
     fp8_dtype, granularity, block = fused_fp8_settings(config, "swiglu_fp8/geglu_fp8")
-    out, q, scale = _GatedActFp8Function.apply(x, probs, row_mask, act, fp8_dtype, granularity, block)
+    out, q, scale = _GatedActFp8Function.apply(
+        x, _per_row(probs), _per_row(row_mask), act, fp8_dtype, granularity, block
+    )
     return fused_fp8_output(q, scale, config, out)
 
 

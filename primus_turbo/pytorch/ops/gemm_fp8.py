@@ -189,6 +189,33 @@ def _check_operand(name: str, x) -> None:
     check_dtype(f"{name}.dtype", x.dtype, _DTYPES)
 
 
+def _check_prequantized(name: str, x, trans: bool, k_axis_when_trans: int, config: Float8QuantConfig) -> None:
+    """A ``QuantizedTensor`` operand must be quantized the way this GEMM reads it: the config's
+    granularity and block size, along K (direction-free tensorwise or 2-D block scales aside; 2-D
+    blocks only for the weight ``b``)."""
+    if not isinstance(x, QuantizedTensor):
+        return
+    if x.granularity is not config.granularity:
+        raise ValueError(
+            f"{name} was quantized {x.granularity.name}, but config is {config.granularity.name}"
+        )
+    if x.granularity is _G.TENSORWISE:
+        return
+    if x.block_2d:
+        if name == "a":
+            raise ValueError("a QuantizedTensor with 2-D block scales can only be the weight b")
+    else:
+        k_axis = k_axis_when_trans if trans else 1 - k_axis_when_trans
+        if x.axis is None or x.axis % 2 != k_axis:
+            raise ValueError(
+                f"{name} must be quantized along K (axis {k_axis} of its stored layout), got axis {x.axis}"
+            )
+    if x.granularity in (_G.BLOCKWISE, _G.MX_BLOCKWISE) and (x.block_size or 32) != (config.block_size or 32):
+        raise ValueError(
+            f"{name} was quantized with block_size {x.block_size}, config has {config.block_size}"
+        )
+
+
 def _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern) -> torch.dtype:
     _check_operand("a", a)
     _check_operand("b", b)
@@ -209,9 +236,8 @@ def _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_patt
         raise ValueError(f"BLOCKWISE needs K ({k}) to be a multiple of block_size ({config.block_size})")
     if granularity is _G.MX_BLOCKWISE and (m % 32 or n % 32 or k % 32):
         raise ValueError(f"MX_BLOCKWISE needs M, N and K to be multiples of 32, got ({m}, {n}, {k})")
-    for name, x in (("a", a), ("b", b)):
-        if isinstance(x, QuantizedTensor) and x.granularity is not granularity:
-            raise ValueError(f"{name} was quantized {x.granularity.name}, but config is {granularity.name}")
+    _check_prequantized("a", a, trans_a, k_axis_when_trans=0, config=config)
+    _check_prequantized("b", b, trans_b, k_axis_when_trans=1, config=config)
     if out_dtype is None:
         hp = [x.dtype for x in (a, b) if isinstance(x, torch.Tensor)]
         out_dtype = hp[0] if hp else a.orig_dtype

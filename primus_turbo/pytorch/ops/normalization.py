@@ -108,7 +108,7 @@ def rmsnorm(
     """``x / sqrt(mean(x^2, -1) + eps) * w`` with ``w = gamma`` (or ``1 + gamma``), differentiable in
     ``x`` and ``gamma``; any leading shape."""
     _check(x, gamma, eps, zero_centered)
-    return _RMSNormFunction.apply(x, gamma, eps, zero_centered)
+    return _RMSNormFunction.apply(x, gamma.contiguous(), eps, zero_centered)
 
 
 def rmsnorm_residual(
@@ -127,7 +127,7 @@ def rmsnorm_residual(
             f"x is {tuple(x.shape)} {x.dtype}"
         )
     check_same_device(x=x, residual=residual)
-    return _RMSNormResidualFunction.apply(x, residual, gamma, eps, zero_centered)
+    return _RMSNormResidualFunction.apply(x, residual, gamma.contiguous(), eps, zero_centered)
 
 
 def rmsnorm_fp8(
@@ -148,5 +148,7 @@ def rmsnorm_fp8(
     _check(x, gamma, eps, zero_centered)
     check_tensor("x", x, dim=2)
     fp8_dtype, granularity, block = fused_fp8_settings(config, "rmsnorm_fp8")
-    y, q, scale = _RMSNormFp8Function.apply(x, gamma, eps, zero_centered, fp8_dtype, granularity, block)
+    y, q, scale = _RMSNormFp8Function.apply(
+        x, gamma.contiguous(), eps, zero_centered, fp8_dtype, granularity, block
+    )
     return fused_fp8_output(q, scale, config, y)

@@ -179,7 +179,9 @@ def rmsnorm_fwd_triton(
     y = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else x
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    block_h, rows_per_program, warps = _launch_shape(
+        n_rows, max(hidden, group if quant == QUANT_BLOCKS else 0)
+    )
     q = torch.empty(
         (n_rows, hidden) if quant in (QUANT_ROW, QUANT_BLOCKS) else (0,),
         dtype=fp8_dtype or torch.uint8,

@@ -109,6 +109,8 @@ def test_float8_linear_errors_and_repr():
         Linear(16, 8, quant_config="fp8")
     with pytest.raises(TypeError, match="nn.Linear"):
         Float8Linear.from_float(torch.nn.Conv1d(1, 1, 1))
+    with pytest.raises(TypeError, match="Float8QuantConfig"):
+        Float8Linear.from_float(torch.nn.Linear(4, 4), "fp8")
     assert "fp8=TENSORWISE/E4M3" in repr(Float8Linear(16, 8))
 
 

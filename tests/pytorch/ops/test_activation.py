@@ -211,3 +211,10 @@ def test_fused_fp8_opcheck_compile_and_bad_input():
         swiglu_fp8(x, mx)
     with pytest.raises(TypeError, match="Float8QuantConfig"):
         geglu_fp8(x, "fp8")
+
+
+def test_strided_probs_and_mask_are_read_with_their_stride():
+    x = torch.randn(6, 64, device=DEVICE)
+    probs = torch.rand(6, 2, device=DEVICE)[:, 0]
+    mask = torch.stack([torch.tensor([True, False] * 3), torch.ones(6, dtype=torch.bool)], 1).to(DEVICE)[:, 0]
+    torch.testing.assert_close(swiglu_with_probs(x, probs, mask), _reference(x, probs, mask, "swiglu"))

@@ -162,3 +162,8 @@ def test_gemm_fp4_compiles_forward_and_backward():
 def test_bad_input_raises_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call(_input((64, 128), torch.float32))
+
+
+def test_quantize_fp4_of_an_empty_last_dimension():
+    q, scale = quantize_fp4(torch.randn(4, 0, device=DEVICE))
+    assert q.shape == (4, 0) and scale.shape == (4, 0)

@@ -264,3 +264,27 @@ def test_triton_reuses_its_chosen_config(granularity):
     assert len(gemm_fp8_kernel._chosen) == 1
     again = gemm_fp8(a.detach(), b.detach(), trans_b=True, config=_config(granularity))
     assert len(gemm_fp8_kernel._chosen) == 1 and torch.equal(first, again)
+
+
+def test_prequantized_operands_must_match_the_gemm():
+    a, b, _ = _operands(64, 96, 128, False, True)
+    rowwise = _config(G.ROWWISE)
+    along_n = QuantizedTensor.quantize(b.detach(), torch.float8_e4m3fn, G.ROWWISE, axis=0)
+    with pytest.raises(ValueError, match="along K"):
+        gemm_fp8(a, along_n, trans_b=True, config=rowwise)
+    # stored (K, M) for trans_a, quantized along M instead of K
+    activation = QuantizedTensor.quantize(a.detach().t().contiguous(), torch.float8_e4m3fn, G.ROWWISE, axis=1)
+    with pytest.raises(ValueError, match="along K"):
+        gemm_fp8(activation, b, trans_a=True, trans_b=True, config=rowwise)
+    other_block = QuantizedTensor.quantize(
+        b.detach(), torch.float8_e4m3fn, G.BLOCKWISE, block_size=16, axis=1
+    )
+    with pytest.raises(ValueError, match="block_size"):
+        gemm_fp8(a, other_block, trans_b=True, config=_config(G.BLOCKWISE))
+    from primus_turbo.pytorch.core.low_precision import ScalingRecipe
+
+    tiles = QuantizedTensor.quantize(
+        a.detach(), torch.float8_e4m3fn, G.BLOCKWISE, block_size=BLOCK, scaling_recipe=ScalingRecipe(True)
+    )
+    with pytest.raises(ValueError, match="only be the weight"):
+        gemm_fp8(tiles, b, trans_b=True, config=_config(G.BLOCKWISE))

@@ -217,3 +217,12 @@ def test_cuda_graph_capture_and_replay(backend):
     graph.replay()
     expected = grouped_gemm(fresh, b.detach(), lens, trans_b=True)
     torch.testing.assert_close(static_out, expected)
+
+
+@pytest.mark.parametrize("k,n", [(33, 16), (30, 30)])
+def test_unaligned_rows_use_the_fallback(k, n):
+    lens = torch.tensor([3, 5], dtype=torch.int64, device=DEVICE)
+    a = torch.randn(8, k, device=DEVICE)
+    b = torch.randn(2, k, n, device=DEVICE)
+    expected = torch.cat([a[:3] @ b[0], a[3:] @ b[1]])
+    torch.testing.assert_close(grouped_gemm(a, b, lens), expected)

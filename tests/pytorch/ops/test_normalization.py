@@ -212,3 +212,14 @@ def test_rmsnorm_fp8_into_gemm_fp8_compiles_without_graph_breaks():
     step(*eager).backward()
     for a, b in zip(leaves, eager, strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_strided_gamma_is_read_with_its_stride():
+    x = torch.randn(6, 96, device=DEVICE, requires_grad=True)
+    wide = (torch.rand(192, device=DEVICE) + 0.5).requires_grad_()
+    gamma = wide[::2]
+    y = rmsnorm(x, gamma)
+    y.sum().backward()
+    expected, _ = _reference(x.detach(), gamma.detach(), 1e-6, False)
+    _assert_close(y, expected, torch.float32)
+    assert wide.grad[1::2].abs().sum() == 0 and wide.grad[::2].abs().sum() > 0

@@ -297,3 +297,23 @@ def test_compiles_without_graph_breaks(granularity, kwargs):
 def test_bad_input_raises_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call(_input((64, 96), torch.float32))
+
+
+def test_zero_length_dimensions():
+    q, scale = quantize_fp8(torch.randn(64, 0, device=DEVICE), E4M3, G.ROWWISE, axis=1)
+    assert q.shape == (64, 0) and scale.shape == (64, 1) and torch.all(scale == 1)
+    q, scale = quantize_fp8(torch.randn(0, 64, device=DEVICE), E4M3, G.ROWWISE, axis=0)
+    assert scale.shape == (1, 64)
+    q, scale = quantize_fp8(torch.randn(64, 0, device=DEVICE), E4M3, G.BLOCKWISE, block_size=32, axis=1)
+    assert scale.shape == (64, 0)
+    torch.library.opcheck(
+        impl.quantize_fp8_with_trans_impl, (torch.randn(0, 64, device=DEVICE), E4M3, 1, 0, False)
+    )
+
+
+def test_dequantize_of_transposed_views_matches_its_fake():
+    q, scale = quantize_fp8(_input((64, 32)), E4M3, G.ROWWISE, axis=0)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(
+        impl.dequantize_fp8_impl, (q.t(), scale.t(), torch.float32, 1, 0, 1, False), test_utils=utils
+    )

@@ -44,9 +44,9 @@ def _sm90(index: int) -> bool:
 
 
 def _grouped_mm_usable(a: torch.Tensor, *others: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` runs on the CPU for every float dtype, and on CUDA (sm_90+) for bf16 with
-    16-byte aligned rows."""
-    if not _HAS_GROUPED_MM:
+    """``torch._grouped_mm`` needs 16-byte aligned rows; it runs on the CPU for every float dtype and on
+    CUDA (sm_90+) for bf16."""
+    if not _HAS_GROUPED_MM or any(t.shape[-1] * t.element_size() % 16 for t in (a, *others)):
         return False
     if a.device.type == "cpu":
         return True
@@ -55,7 +55,6 @@ def _grouped_mm_usable(a: torch.Tensor, *others: torch.Tensor) -> bool:
         and torch.version.hip is None
         and a.dtype == torch.bfloat16
         and _sm90(a.device.index if a.device.index is not None else torch.cuda.current_device())
-        and all(t.shape[-1] % 8 == 0 for t in (a, *others))
     )
 
 
@@ -153,8 +152,10 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
         return (a.device.type, _shape_class(a.shape[0]), *b.shape, a.dtype, trans_b)
 
     @classmethod
-    def default_backend(cls, a, **_: Any) -> BackendType:
-        return BackendType.TORCH if a.device.type != "cuda" or _grouped_mm_usable(a) else BackendType.TRITON
+    def default_backend(cls, a, b, **_: Any) -> BackendType:
+        return (
+            BackendType.TORCH if a.device.type != "cuda" or _grouped_mm_usable(a, b) else BackendType.TRITON
+        )
 
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +170,9 @@ class TorchGroupedGemmVariableKBackend(KernelBackend):
     @staticmethod
     def execute(lhs, rhs, group_offs, out=None, **_: Any) -> torch.Tensor:
         groups = group_offs.numel() - 1
-        if _grouped_mm_usable(lhs, rhs) and lhs.shape[0] > 0:
+        if lhs.shape[0] == 0:
+            result = lhs.new_zeros((groups, lhs.shape[1], rhs.shape[1]))
+        elif _grouped_mm_usable(lhs, rhs):
             result = torch._grouped_mm(lhs.t(), rhs, offs=_ends(group_offs), out_dtype=lhs.dtype)
         else:
             bounds = group_offs.tolist()

@@ -9,6 +9,8 @@ Values are quantized along the last dimension in groups of 32: ``q`` is (..., C 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
@@ -72,7 +74,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 def _quantize(x: torch.Tensor, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
     cols = x.shape[-1]
-    packed, scale = _quantize_2d(x.reshape(-1, cols), triton_path)
+    packed, scale = _quantize_2d(x.reshape(math.prod(x.shape[:-1]), cols), triton_path)
     return packed.view(*x.shape[:-1], cols // 2), scale.view(*x.shape[:-1], cols // _GROUP)
 
 

@@ -145,8 +145,9 @@ def _quantize_2d_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for the 2-D group kernel: pad to whole groups with zeros, reduce, scale, unpad."""
     rows, cols = x.shape
+    whole_row = group_cols == 0  # one scale per row, 1 even for a row without elements
     group_cols = group_cols or max(cols, 1)
-    n_r, n_c = -(-rows // group_rows), -(-cols // group_cols)
+    n_r, n_c = -(-rows // group_rows), 1 if whole_row else -(-cols // group_cols)
     padded = torch.zeros(n_r * group_rows, n_c * group_cols, dtype=torch.float32, device=x.device)
     padded[:rows, :cols] = x
     tiles = padded.view(n_r, group_rows, n_c, group_cols)
@@ -159,11 +160,11 @@ def _quantize_2d_reference(
 def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path) -> torch.Tensor:
     """Quantize the 2-D view ``x`` into the 2-D view ``q``; returns the (n_r, n_c) scales."""
     rows, cols = x.shape
-    group_cols = group_cols or max(cols, 1)
-    if not triton_path:
+    if not triton_path or cols == 0:
         q_ref, scale = _quantize_2d_reference(x, fp8_dtype, group_rows, group_cols, mx)
         q.copy_(q_ref)
         return scale
+    group_cols = group_cols or cols
     shape = (-(-rows // group_rows), -(-cols // group_cols))
     if mx:
         scale = torch.empty(shape, dtype=torch.uint8, device=x.device)
@@ -203,7 +204,7 @@ def _quantize(
         q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         scale = _quantize_2d(moved, q.t(), out_dtype, groups.rows, groups.cols, mx, triton_path)
         return q, scale.t()
-    x2d = moved.reshape(-1, moved.shape[-1])
+    x2d = moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1])
     q2d = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
     scale = _quantize_2d(x2d, q2d, out_dtype, groups.rows, groups.cols, mx, triton_path)
     if groups.rows > 1:
@@ -325,7 +326,7 @@ def dequantize_fp8_reference(
 ) -> torch.Tensor:
     """``q * scale_inv`` with the scales expanded over their groups, in ``out_dtype``."""
     scale = _expand_scale(scale_inv, q.shape, granularity, block_size, axis, block_2d)
-    return (q.float() * scale).to(out_dtype)
+    return (q.float() * scale).to(out_dtype).contiguous()
 
 
 @custom_op("primus_turbo::dequantize_fp8", mutates_args=())
