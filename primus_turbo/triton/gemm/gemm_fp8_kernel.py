@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
+from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
     kernel_autotune_enabled,
@@ -104,22 +105,7 @@ def supported_scale_blocks() -> frozenset[int]:
     return frozenset(c.kwargs["BLOCK_K"] for c in _gemm_fp8_kernel.configs)
 
 
-class _KeepOutput:
-    """Autotune hooks: timing runs of an accumulating launch leave the caller's output unchanged."""
-
-    saved: torch.Tensor | None = None
-
-    def save(self, nargs: dict, reset_only: bool = False) -> None:
-        if nargs["ACCUMULATE"] and not reset_only:
-            self.saved = nargs["c_ptr"].clone()
-
-    def restore(self, nargs: dict, exception: BaseException | None) -> None:
-        if self.saved is not None:
-            nargs["c_ptr"].copy_(self.saved)
-            self.saved = None
-
-
-_keep_output = _KeepOutput()
+_keep_output = KeepAccumulatedOutput("c_ptr")
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
     kernel_autotune_enabled,
@@ -169,29 +170,8 @@ def _set_tma_block_shapes(nargs: dict) -> None:
     nargs["c_desc"].block_shape = [bm, bn // 2] if nargs["EPILOGUE_SPLIT"] else [bm, bn]
 
 
-class _KeepAccumulatedOutput:
-    """Autotune hooks: timing runs of an accumulating launch must leave the caller's output unchanged."""
-
-    def __init__(self, out_arg: str) -> None:
-        self.out_arg = out_arg
-        self.saved: torch.Tensor | None = None
-
-    def _out(self, nargs: dict) -> torch.Tensor:
-        out = nargs[self.out_arg]
-        return out.base if isinstance(out, TensorDescriptor) else out
-
-    def save(self, nargs: dict, reset_only: bool = False) -> None:
-        if nargs["ACCUMULATE"] and not reset_only:
-            self.saved = self._out(nargs).clone()
-
-    def restore(self, nargs: dict, exception: BaseException | None) -> None:
-        if self.saved is not None:
-            self._out(nargs).copy_(self.saved)
-            self.saved = None
-
-
-_keep_tma_out = _KeepAccumulatedOutput("c_desc")
-_keep_pointer_out = _KeepAccumulatedOutput("c_ptr")
+_keep_tma_out = KeepAccumulatedOutput("c_desc")
+_keep_pointer_out = KeepAccumulatedOutput("c_ptr")
 
 
 @triton.jit

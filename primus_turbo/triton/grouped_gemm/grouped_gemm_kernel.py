@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
 __all__ = ["grouped_gemm_triton", "grouped_gemm_variable_k_triton"]
@@ -37,22 +38,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     return configs if kernel_autotune_enabled() else configs[:1]
 
 
-class _KeepOutput:
-    """Autotune hooks: timing runs of an accumulating launch leave the caller's output unchanged."""
-
-    saved: torch.Tensor | None = None
-
-    def save(self, nargs: dict, reset_only: bool = False) -> None:
-        if nargs.get("ACCUMULATE") and not reset_only:
-            self.saved = nargs["out_ptr"].clone()
-
-    def restore(self, nargs: dict, exception: BaseException | None) -> None:
-        if self.saved is not None:
-            nargs["out_ptr"].copy_(self.saved)
-            self.saved = None
-
-
-_keep_output = _KeepOutput()
+_keep_output = KeepAccumulatedOutput("out_ptr")
 
 
 @triton.autotune(
