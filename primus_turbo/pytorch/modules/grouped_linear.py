@@ -7,7 +7,9 @@ import math
 import torch
 from torch import nn
 
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
+from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
 
 __all__ = ["GroupedLinear"]
 
@@ -16,7 +18,8 @@ class GroupedLinear(nn.Module):
     """``y[rows of g] = x[rows of g] @ weight[g].T (+ bias[g])`` with ``weight`` [G, out, in].
 
     ``forward(x, group_lens)`` takes ``x`` [T, in] with the tokens of group ``g`` contiguous and in
-    group order, and ``group_lens`` an int64 [G] tensor on the same device (no host sync).
+    group order, and ``group_lens`` an int64 [G] tensor on the same device (no host sync). With a
+    ``config`` the GEMMs run in FP8 (``grouped_gemm_fp8``); parameters stay high precision.
     """
 
     def __init__(
@@ -27,8 +30,12 @@ class GroupedLinear(nn.Module):
         bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        config: Float8QuantConfig | None = None,
     ) -> None:
         super().__init__()
+        if config is not None and not isinstance(config, Float8QuantConfig):
+            raise TypeError(f"config must be a Float8QuantConfig or None, got {config!r}")
+        self.config = config
         if min(num_groups, in_features, out_features) <= 0:
             raise ValueError(
                 f"num_groups, in_features and out_features must be positive, got "
@@ -49,7 +56,10 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
-        out = grouped_gemm(x, self.weight, group_lens, trans_b=True)
+        if self.config is None:
+            out = grouped_gemm(x, self.weight, group_lens, trans_b=True)
+        else:
+            out = grouped_gemm_fp8(x, self.weight, group_lens, trans_b=True, config=self.config)
         if self.bias is None:
             return out
         group_of_row = torch.repeat_interleave(
@@ -61,4 +71,5 @@ class GroupedLinear(nn.Module):
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.bias is not None}"
+            + (f", fp8={self.config.granularity.name}/{self.config.format.name}" if self.config else "")
         )

@@ -136,3 +136,20 @@ def test_grouped_linear_matches_per_group_linear(bias):
     assert "num_groups=3" in repr(layer)
     with pytest.raises(ValueError, match="positive"):
         GroupedLinear(0, 4, 4)
+
+
+def test_grouped_linear_in_fp8_tracks_the_high_precision_layer():
+    torch.manual_seed(0)
+    config = Float8QuantConfig(format=Format.HYBRID, granularity=ScalingGranularity.ROWWISE)
+    layer = GroupedLinear(3, 64, 32, device=DEVICE, dtype=torch.bfloat16, config=config)
+    lens = torch.tensor([10, 0, 22], dtype=torch.int64, device=DEVICE)
+    x = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x, lens)
+    out.float().sum().backward()
+    expected = torch.cat(
+        [x[:10].float() @ layer.weight[0].float().t(), x[10:].float() @ layer.weight[2].float().t()]
+    )
+    assert compute_snr(expected, out) >= 25
+    assert "fp8=ROWWISE/HYBRID" in repr(layer)
+    with pytest.raises(TypeError, match="Float8QuantConfig"):
+        GroupedLinear(2, 4, 4, config="fp8")
