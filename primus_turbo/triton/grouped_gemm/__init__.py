@@ -1,8 +1,15 @@
 """Grouped GEMM kernels (MoE experts)."""
 
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    grouped_gemm_fp8_triton,
+    grouped_gemm_fp8_variable_k_triton,
     grouped_gemm_triton,
     grouped_gemm_variable_k_triton,
 )
 
-__all__ = ["grouped_gemm_triton", "grouped_gemm_variable_k_triton"]
+__all__ = [
+    "grouped_gemm_fp8_triton",
+    "grouped_gemm_fp8_variable_k_triton",
+    "grouped_gemm_triton",
+    "grouped_gemm_variable_k_triton",
+]

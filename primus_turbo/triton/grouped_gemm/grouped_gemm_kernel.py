@@ -18,7 +18,12 @@ import triton.language as tl
 from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
-__all__ = ["grouped_gemm_triton", "grouped_gemm_variable_k_triton"]
+__all__ = [
+    "grouped_gemm_fp8_triton",
+    "grouped_gemm_fp8_variable_k_triton",
+    "grouped_gemm_triton",
+    "grouped_gemm_variable_k_triton",
+]
 
 
 def _configs() -> list[triton.Config]:
@@ -28,6 +33,19 @@ def _configs() -> list[triton.Config]:
         shapes = [(256, 256, 64, 2, 8), (128, 128, 64, 2, 4), (64, 128, 64, 2, 4)]
     else:
         shapes = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in shapes
+    ]
+
+
+def _fp8_configs() -> list[triton.Config]:
+    if interpreter_active():
+        shapes = [(32, 32, 32, 1, 4)]
+    elif torch.version.hip is not None:
+        shapes = [(256, 256, 128, 2, 8), (128, 128, 128, 2, 8), (64, 128, 128, 2, 4)]
+    else:
+        shapes = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4, 4)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w)
         for bm, bn, bk, s, w in shapes
@@ -157,6 +175,138 @@ def _grouped_gemm_variable_k_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.autotune(
+    configs=_fp8_configs(),
+    key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit(do_not_specialize=["N", "K", "G"])
+def _grouped_gemm_fp8_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    offs_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    G,
+    N,
+    K,
+    stride_am,
+    stride_bg,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_sbg,
+    stride_sbn,
+    DTYPES: tl.constexpr,
+    TRANS_B: tl.constexpr,
+    A_ROWWISE: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The persistent grouped walk of ``_grouped_gemm_kernel`` on FP8 operands; the scales (per row or
+    one for ``a``, per output column or one per expert for ``b``) apply once per finished tile."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_before = 0
+    for g in range(G):
+        start = tl.load(offs_ptr + g)
+        end = tl.load(offs_ptr + g + 1)
+        group_tiles = tl.cdiv(end - start, BLOCK_M) * num_pid_n
+        first = (pid - tiles_before % NUM_SMS + NUM_SMS) % NUM_SMS
+        g64 = start - start + g
+        for t in range(first, group_tiles, NUM_SMS):
+            rows = start + (t // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = (t % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < end
+            col_ok = cols < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                a = tl.load(
+                    a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    b_ptr + g64 * stride_bg + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            if A_ROWWISE:
+                sa = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+            else:
+                sa = tl.load(a_scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
+            sb = tl.load(b_scale_ptr + g64 * stride_sbg + cols * stride_sbn, mask=col_ok, other=0.0)
+            acc = acc * (sa[:, None] * sb[None, :])
+            c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tiles_before += group_tiles
+
+
+@triton.autotune(
+    configs=_fp8_configs(),
+    key=["P", "Q", "G", "DTYPES", "PER_COLUMN"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit(do_not_specialize=["P", "Q", "G"])
+def _grouped_gemm_fp8_variable_k_kernel(
+    lhs_ptr,
+    rhs_ptr,
+    out_ptr,
+    offs_ptr,
+    lhs_scale_ptr,
+    rhs_scale_ptr,
+    G,
+    P,
+    Q,
+    stride_lt,
+    stride_rt,
+    stride_og,
+    stride_op,
+    DTYPES: tl.constexpr,
+    PER_COLUMN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """FP8 ``out[g] = (lhs * s)^T (rhs * s)`` over the group's rows; the scales are constant along the
+    reduction (one, or one per (group, column)), so they apply once to the finished tile."""
+    g = tl.program_id(0)
+    tile = tl.program_id(1)
+    num_pid_q = tl.cdiv(Q, BLOCK_N)
+    ps = (tile // num_pid_q) * BLOCK_M + tl.arange(0, BLOCK_M)
+    qs = (tile % num_pid_q) * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_ok = ps < P
+    q_ok = qs < Q
+    start = tl.load(offs_ptr + g)
+    end = tl.load(offs_ptr + g + 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_ok = ks < end
+        lhs = tl.load(
+            lhs_ptr + ks[:, None] * stride_lt + ps[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0
+        )
+        rhs = tl.load(
+            rhs_ptr + ks[:, None] * stride_rt + qs[None, :], mask=k_ok[:, None] & q_ok[None, :], other=0.0
+        )
+        acc = tl.dot(lhs.T, rhs, acc, max_num_imprecise_acc=BLOCK_K)
+    if PER_COLUMN:
+        sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
+        sr = tl.load(rhs_scale_ptr + g * Q + qs, mask=q_ok, other=0.0)
+    else:
+        sl = tl.load(lhs_scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        sr = tl.load(rhs_scale_ptr) + tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = acc * (sl[:, None] * sr[None, :])
+    out_ptrs = out_ptr + g.to(tl.int64) * stride_og + ps[:, None] * stride_op + qs[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
+
+
 def _launch(kernel, grid, *args, **kwargs) -> None:
     """Through the autotuner, or with the first config directly when autotuning is off (the autotuner
     would still time a lone config, per shape, and that breaks CUDA-graph capture)."""
@@ -244,5 +394,97 @@ def grouped_gemm_variable_k_triton(
         ACCUMULATE=accumulate,
         DTYPES=f"{lhs.dtype}->{out.dtype}",
         DOT_PRECISION=_precision(lhs.dtype),
+    )
+    return out
+
+
+def grouped_gemm_fp8_triton(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_offs: torch.Tensor,
+    trans_b: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """[T, N] grouped product of FP8 ``a`` [T, K] (``a_scale`` 0-d or [T, 1]) and FP8 ``b`` [G, K, N]
+    (or [G, N, K]) whose ``b_scale`` is one per expert or one per output column per expert."""
+    tokens, k = a.shape
+    groups = b.shape[0]
+    n = b.shape[1] if trans_b else b.shape[2]
+    out = torch.empty((tokens, n), dtype=out_dtype, device=a.device)
+    if tokens == 0 or n == 0:
+        return out
+    if k == 0 or groups == 0:
+        return out.zero_()
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    out_axis = 1 if trans_b else 2
+    b_scale = b_scale.float()
+    stride_sbn = b_scale.stride(out_axis) if b_scale.shape[out_axis] > 1 else 0
+    sms = num_sms(a.device)
+    _launch(
+        _grouped_gemm_fp8_kernel,
+        (sms,),
+        a,
+        b,
+        out,
+        group_offs,
+        a_scale.float(),
+        b_scale,
+        groups,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        stride_bk,
+        stride_bn,
+        out.stride(0),
+        b_scale.stride(0),
+        stride_sbn,
+        DTYPES=f"{a.dtype}x{b.dtype}->{out_dtype}",
+        TRANS_B=trans_b,
+        A_ROWWISE=a_scale.dim() > 0,
+        NUM_SMS=sms,
+    )
+    return out
+
+
+def grouped_gemm_fp8_variable_k_triton(
+    lhs: torch.Tensor,
+    lhs_scale: torch.Tensor,
+    rhs: torch.Tensor,
+    rhs_scale: torch.Tensor,
+    group_offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """[G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` of FP8 ``lhs`` [T, P] and ``rhs`` [T, Q] with 0-d
+    scales or contiguous [G, P] / [G, Q] per-(group, column) scales."""
+    groups = group_offs.numel() - 1
+    p, q = lhs.shape[1], rhs.shape[1]
+    out = torch.zeros((groups, p, q), dtype=out_dtype, device=lhs.device)
+    if groups == 0 or p == 0 or q == 0 or lhs.shape[0] == 0:
+        return out
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (groups, triton.cdiv(p, meta["BLOCK_M"]) * triton.cdiv(q, meta["BLOCK_N"]))
+
+    _launch(
+        _grouped_gemm_fp8_variable_k_kernel,
+        grid,
+        lhs,
+        rhs,
+        out,
+        group_offs,
+        lhs_scale.float().contiguous(),
+        rhs_scale.float().contiguous(),
+        groups,
+        p,
+        q,
+        lhs.stride(0),
+        rhs.stride(0),
+        out.stride(0),
+        out.stride(1),
+        DTYPES=f"{lhs.dtype}x{rhs.dtype}->{out_dtype}",
+        PER_COLUMN=lhs_scale.dim() > 0,
     )
     return out

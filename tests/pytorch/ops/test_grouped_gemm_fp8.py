@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_fp8_impl as impl
 from primus_turbo.pytorch.ops import grouped_gemm_fp8
@@ -19,11 +20,20 @@ OUT_GATE = {Format.E4M3: 25.0, Format.HYBRID: 25.0, Format.E5M2: 20.0}
 GRAD_GATE = {Format.E4M3: 25.0, Format.HYBRID: 20.0, Format.E5M2: 20.0}
 
 
+@pytest.fixture(autouse=True)
+def _reset_backends():
+    GlobalBackendManager.reset()
+    yield
+    GlobalBackendManager.reset()
+
+
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID, Format.E5M2], ids=lambda f: f.name.lower())
 @pytest.mark.parametrize("trans_b", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one-group"])
 @pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE], ids=lambda g: g.name.lower())
-def test_forward_dgrad_wgrad_snr(granularity, kind, trans_b, fmt):
+@pytest.mark.parametrize("backend", [BackendType.TORCH, BackendType.TRITON], ids=lambda b: b.name)
+def test_forward_dgrad_wgrad_snr(backend, granularity, kind, trans_b, fmt):
+    GlobalBackendManager.set_grouped_gemm_backend(backend, PrecisionType.FP8)
     lens = _group_lens(kind, 4, 16)
     a, b, grad = _operands(lens, 64, 48, trans_b, torch.bfloat16)
     config = Float8QuantConfig(format=fmt, granularity=granularity)
@@ -103,3 +113,21 @@ def test_bad_input_raises_clear_error():
         grouped_gemm_fp8(a, b, lens, config="fp8")
     with pytest.raises(ValueError, match="groups but b has"):
         grouped_gemm_fp8(a, b, lens[:-1])
+
+
+@pytest.mark.parametrize("per_column", [False, True], ids=["tensor", "per-column"])
+def test_triton_variable_k_kernel(per_column):
+    from primus_turbo.triton.grouped_gemm import grouped_gemm_fp8_variable_k_triton
+
+    lens = torch.tensor([5, 0, 37, 1, 20], dtype=torch.int64, device=DEVICE)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    lhs = torch.randn(63, 16, device=DEVICE).to(torch.float8_e4m3fn)
+    rhs = torch.randn(63, 8, device=DEVICE).to(torch.float8_e5m2)
+    sl = torch.rand(5, 16, device=DEVICE) + 0.5 if per_column else torch.tensor(0.7, device=DEVICE)
+    sr = torch.rand(5, 8, device=DEVICE) + 0.5 if per_column else torch.tensor(1.3, device=DEVICE)
+    out = grouped_gemm_fp8_variable_k_triton(lhs, sl, rhs, sr, offs, torch.float32)
+    bounds = offs.tolist()
+    for g in range(5):
+        left = lhs[bounds[g] : bounds[g + 1]].double() * (sl[g].double() if per_column else sl.double())
+        right = rhs[bounds[g] : bounds[g + 1]].double() * (sr[g].double() if per_column else sr.double())
+        torch.testing.assert_close(out[g].double(), left.t() @ right, rtol=1e-5, atol=1e-5)

@@ -9,8 +9,9 @@ variable-K (wgrad) GEMM needs.
 - ``primus_turbo::quantize_fp8_group_columns``: x [T, C] quantized along its rows within each group,
   one scale per (group, column): the wgrad operands of the row-wise recipe.
 
-Backends: TORCH (dequantize and multiply: the reference, any device) and HIPBLASLT
-(``torch._scaled_grouped_mm``, row-wise forward and dgrad on GPUs that have it).
+Backends: TRITON (the persistent grouped FP8 kernel, no host sync), TORCH (dequantize and multiply:
+the reference, any device; a host sync on GPUs) and HIPBLASLT (``torch._scaled_grouped_mm``, row-wise
+with [G, N, K] weights). The variable-K op runs the Triton kernel on GPUs and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import tensorwise_multipliers
+from primus_turbo.triton.grouped_gemm import grouped_gemm_fp8_triton, grouped_gemm_fp8_variable_k_triton
+from primus_turbo.triton.utils.device_info import interpreter_active
 
 __all__ = [
     "GroupedGemmFp8Dispatcher",
@@ -96,11 +99,34 @@ class HipblasltGroupedGemmFp8Backend(KernelBackend):
         )
 
 
+def _triton_usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+
+
+class TritonGroupedGemmFp8Backend(KernelBackend):
+    """The persistent grouped FP8 kernel: group offsets read on the device, scales in the epilogue."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if torch.cuda.is_available() or interpreter_active():
+            return None
+        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 to run on the CPU"
+
+    @classmethod
+    def unsupported_reason(cls, a, **_: Any) -> str | None:
+        return None if _triton_usable(a) else "CPU tensors need TRITON_INTERPRET=1"
+
+    @staticmethod
+    def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, **_: Any) -> torch.Tensor:
+        return grouped_gemm_fp8_triton(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype)
+
+
 class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
     """Backend choice for the FP8 grouped GEMM (forward and dgrad)."""
 
     op_name = "grouped_gemm_fp8"
     backends = {
+        BackendType.TRITON: TritonGroupedGemmFp8Backend,
         BackendType.HIPBLASLT: HipblasltGroupedGemmFp8Backend,
         BackendType.TORCH: TorchGroupedGemmFp8Backend,
     }
@@ -110,9 +136,8 @@ class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
         return (a.device.type, 1 << max(a.shape[0] - 1, 0).bit_length(), *b.shape, a_scale.dim(), trans_b)
 
     @classmethod
-    def default_backend(cls, a, a_scale, trans_b, **_: Any) -> BackendType:
-        vendor = a.device.type == "cuda" and a_scale.dim() == 2 and trans_b
-        return BackendType.HIPBLASLT if vendor else BackendType.TORCH
+    def default_backend(cls, a, **_: Any) -> BackendType:
+        return BackendType.TRITON if a.device.type == "cuda" else BackendType.TORCH
 
 
 @custom_op("primus_turbo::grouped_gemm_fp8", mutates_args=())
@@ -154,6 +179,8 @@ def grouped_gemm_fp8_variable_k_impl(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows."""
+    if lhs.device.type == "cuda":
+        return grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype)
     groups = group_offs.numel() - 1
     ids = _group_ids(group_offs, lhs.shape[0])
     left = lhs.float() * (lhs_scale[ids] if lhs_scale.dim() else lhs_scale)
