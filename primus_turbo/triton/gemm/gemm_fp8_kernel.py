@@ -49,10 +49,10 @@ def _configs() -> list[triton.Config]:
             (64, 128, 128, 8, 2, 4),
         ]
     else:
+        # 128x128 with two warpgroups first: no register spills in any scale mode (ptxas, sm_90a)
         shapes = [
-            (128, 256, 128, 8, 3, 8),
             (128, 128, 128, 8, 4, 8),
-            (128, 128, 128, 8, 3, 4),
+            (128, 256, 128, 8, 3, 8),
             (64, 128, 128, 8, 4, 4),
             (128, 64, 128, 8, 4, 4),
         ]
@@ -129,7 +129,7 @@ def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, 
     pre_hook=_keep_output.save,
     post_hook=_keep_output.restore,
 )
-@triton.jit(do_not_specialize=["M", "N", "K"])
+@triton.jit(do_not_specialize=["M"])
 def _gemm_fp8_kernel(
     a_desc,
     b_desc,

@@ -487,7 +487,7 @@ def _gemm_tma_persistent_kernel(
     pre_hook=_keep_pointer_out.save,
     post_hook=_keep_pointer_out.restore,
 )
-@triton.jit(do_not_specialize=["M", "N", "K"])
+@triton.jit(do_not_specialize=["M"])
 def _gemm_pointer_kernel(
     a_ptr,
     b_ptr,

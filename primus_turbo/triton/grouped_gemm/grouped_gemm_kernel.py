@@ -64,7 +64,7 @@ _keep_output = KeepAccumulatedOutput("out_ptr")
     key=["N", "K", "G", "DTYPES", "TRANS_B"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["N", "K", "G"])
+@triton.jit(do_not_specialize=["G"])
 def _grouped_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -88,7 +88,7 @@ def _grouped_gemm_kernel(
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_before = 0
+    tiles_before = tl.zeros((), dtype=tl.int64)  # int64, like the group offsets
     for g in range(G):
         start = tl.load(offs_ptr + g)
         end = tl.load(offs_ptr + g + 1)
@@ -127,7 +127,7 @@ def _grouped_gemm_kernel(
     pre_hook=_keep_output.save,
     post_hook=_keep_output.restore,
 )
-@triton.jit(do_not_specialize=["P", "Q", "G"])
+@triton.jit(do_not_specialize=["G"])
 def _grouped_gemm_variable_k_kernel(
     lhs_ptr,
     rhs_ptr,
@@ -180,7 +180,7 @@ def _grouped_gemm_variable_k_kernel(
     key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["N", "K", "G"])
+@triton.jit(do_not_specialize=["G"])
 def _grouped_gemm_fp8_kernel(
     a_ptr,
     b_ptr,
@@ -210,7 +210,7 @@ def _grouped_gemm_fp8_kernel(
     one for ``a``, per output column or one per expert for ``b``) apply once per finished tile."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_before = 0
+    tiles_before = tl.zeros((), dtype=tl.int64)  # int64, like the group offsets
     for g in range(G):
         start = tl.load(offs_ptr + g)
         end = tl.load(offs_ptr + g + 1)
@@ -253,7 +253,7 @@ def _grouped_gemm_fp8_kernel(
     key=["P", "Q", "G", "DTYPES", "PER_COLUMN"],
     prune_configs_by={"early_config_prune": _prune},
 )
-@triton.jit(do_not_specialize=["P", "Q", "G"])
+@triton.jit(do_not_specialize=["G"])
 def _grouped_gemm_fp8_variable_k_kernel(
     lhs_ptr,
     rhs_ptr,
