@@ -1,0 +1,381 @@
+"""Compile the Triton kernels for an NVIDIA sm_90 target on a machine without a GPU.
+
+The interpreter runs kernels as numpy code, so it cannot catch what only the compiler sees (type
+errors in loop-carried values, unsupported layouts, shared memory). This script swaps Triton's driver
+for a stub that reports an sm_90 device, captures the compile requests the launchers make, and
+compiles each one to PTX. It prints one line per kernel and config and exits 1 if any fails.
+
+    python scripts/compile_check.py            # every kernel, every CUDA config
+    python scripts/compile_check.py --quick    # the first config of each kernel (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+_requests: list[tuple] = []
+
+
+class _Sm90Driver:
+    """Just enough of a driver for JITFunction.run to reach compilation."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def is_active(self):
+        return True
+
+
+def _capture(self, key, signature, device, constexprs, options, attrs, warmup):
+    _requests.append((self, signature, constexprs, options, attrs))
+
+
+def _compile_requests(label: str) -> bool:
+    ok = True
+    while _requests:
+        fn, signature, constexprs, options, attrs = _requests.pop(0)
+        try:
+            kernel = triton.compile(
+                ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__
+            )
+            print(f"[OK]   {label}: shared memory {kernel.metadata.shared} B", flush=True)
+        except Exception as exc:  # report every failure, keep going
+            ok = False
+            print(
+                f"[FAIL] {label}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}", flush=True
+            )
+    return ok
+
+
+def _label(config: triton.Config) -> str:
+    kw = config.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} s{config.num_stages} w{config.num_warps}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile every selected kernel/config; 0 when all compile."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
+    args = parser.parse_args(argv)
+    driver.set_active(_Sm90Driver())
+    JITFunction._do_compile = _capture
+
+    import primus_turbo.triton.utils.device_info as device_info
+
+    device_info.interpreter_active = lambda: False
+    from primus_turbo.triton.activation import gated_act_kernel as act
+    from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
+    from primus_turbo.triton.gemm import gemm_kernel as gemm
+    from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
+    from primus_turbo.triton.normalization import rmsnorm_kernel as norm
+    from primus_turbo.triton.quantization import fp4_quant_kernel as fp4q
+    from primus_turbo.triton.quantization import fp8_quant_kernel as fp8q
+
+    for module in (gemm, fp8, grouped):
+        module.interpreter_active = lambda: False
+
+    def configs(make):
+        found = make()
+        return found[:1] if args.quick else found
+
+    bf16, e4m3, e5m2, f32 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32
+    ok = True
+
+    def attempt(label, launch):
+        nonlocal ok
+        try:
+            launch()
+        except Exception as exc:  # a launcher error before any compile request
+            if not _requests:
+                ok = False
+                print(f"[FAIL] {label}: launcher {type(exc).__name__}: {str(exc)[-300:]}", flush=True)
+        ok &= _compile_requests(label)
+
+    m, n, k = 1024, 1024, 1024
+    for config in configs(gemm._tma_configs):
+        kw = config.kwargs
+        a, b = torch.empty(m, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+        out = torch.empty(m, n, dtype=bf16)
+        descs = gemm._tma_descriptors(a, b, out, False, True, config)
+        buffers = (torch.empty(1, dtype=f32), torch.empty(1, dtype=torch.int32))
+        flags = dict(
+            TRANS_A=False, TRANS_B=True, ACCUMULATE=False, DTYPES="bf16", DOT_PRECISION="tf32", NUM_SMS=132
+        )
+        attempt(
+            f"gemm tma {_label(config)} stream-k={kw['STREAM_K']}",
+            lambda descs=descs, buffers=buffers, flags=flags, config=config: (
+                gemm._gemm_tma_persistent_kernel.fn[(132,)](
+                    *descs, *buffers, m, n, k, **flags, **config.all_kwargs()
+                )
+            ),
+        )
+    for config in configs(gemm._pointer_configs):
+        a, b, out = torch.empty(m, k, dtype=bf16), torch.empty(k, n, dtype=bf16), torch.empty(m, n, dtype=f32)
+        attempt(
+            f"gemm pointer {_label(config)}",
+            lambda a=a, b=b, out=out, config=config: gemm._gemm_pointer_kernel.fn[(1,)](
+                a,
+                b,
+                out,
+                m,
+                n,
+                k,
+                *a.stride(),
+                *b.stride(),
+                *out.stride(),
+                ACCUMULATE=True,
+                DTYPES="bf16",
+                DOT_PRECISION="tf32",
+                **config.all_kwargs(),
+            ),
+        )
+    for config in configs(fp8._configs):
+        for use_tma, modes in ((True, (0, 0)), (True, (2, 3)), (False, (1, 1))):
+            kw = config.kwargs
+            a, b, out = (
+                torch.empty(m, k, dtype=e4m3),
+                torch.empty(n, k, dtype=e4m3),
+                torch.empty(m, n, dtype=bf16),
+            )
+            scales = {
+                0: torch.empty(()),
+                1: torch.empty(m, 1),
+                2: torch.empty(m, k // 128),
+                3: torch.empty(n // 128, k // 128),
+            }
+            sa, sb = scales[modes[0]], scales[modes[1]]
+            operands = (
+                (
+                    TensorDescriptor(a, a.shape, a.stride(), [kw["BLOCK_M"], kw["BLOCK_K"]]),
+                    TensorDescriptor(b, b.shape, b.stride(), [kw["BLOCK_N"], kw["BLOCK_K"]]),
+                )
+                if use_tma
+                else (a, b)
+            )
+
+            def strides(s):
+                return (s.stride(0), s.stride(1)) if s.dim() == 2 else (0, 0)
+
+            per_block = max(modes) >= 2
+            launch_args = (
+                m,
+                n,
+                k,
+                a.stride(0),
+                b.stride(0),
+                out.stride(0),
+                out.stride(1),
+                *strides(sa),
+                *strides(sb),
+            )
+            flags = dict(
+                A_MODE=modes[0], B_MODE=modes[1], PER_BLOCK=per_block, SCALE_BLOCK=128 if per_block else 0
+            )
+            flags.update(ACCUMULATE=False, DTYPES="fp8", USE_TMA=use_tma, NUM_SMS=132, **config.all_kwargs())
+            attempt(
+                f"gemm fp8 tma={use_tma} modes={modes} {_label(config)}",
+                lambda operands=operands, out=out, sa=sa, sb=sb, launch_args=launch_args, flags=flags: (
+                    fp8._gemm_fp8_kernel.fn[(132,)](*operands, out, sa, sb, *launch_args, **flags)
+                ),
+            )
+    groups, tokens = 8, 4096
+    offs = torch.empty(groups + 1, dtype=torch.int64)
+    for config in configs(grouped._configs):
+        a, b = torch.empty(tokens, k, dtype=bf16), torch.empty(groups, n, k, dtype=bf16)
+        out, w = torch.empty(tokens, n, dtype=bf16), torch.empty(groups, k, n, dtype=f32)
+        attempt(
+            f"grouped gemm {_label(config)}",
+            lambda a=a, b=b, out=out, config=config: grouped._grouped_gemm_kernel.fn[(132,)](
+                a,
+                b,
+                out,
+                offs,
+                groups,
+                n,
+                k,
+                a.stride(0),
+                b.stride(0),
+                b.stride(2),
+                b.stride(1),
+                out.stride(0),
+                DTYPES="bf16",
+                TRANS_B=True,
+                DOT_PRECISION="tf32",
+                NUM_SMS=132,
+                **config.all_kwargs(),
+            ),
+        )
+        attempt(
+            f"grouped gemm variable-K {_label(config)}",
+            lambda a=a, out=out, w=w, config=config: grouped._grouped_gemm_variable_k_kernel.fn[(groups, 64)](
+                a,
+                out,
+                w,
+                offs,
+                groups,
+                k,
+                n,
+                a.stride(0),
+                out.stride(0),
+                w.stride(0),
+                w.stride(1),
+                ACCUMULATE=True,
+                DTYPES="bf16",
+                DOT_PRECISION="tf32",
+                **config.all_kwargs(),
+            ),
+        )
+    for config in configs(grouped._fp8_configs):
+        a, b = torch.empty(tokens, k, dtype=e5m2), torch.empty(groups, n, k, dtype=e4m3)
+        out, w = torch.empty(tokens, n, dtype=bf16), torch.empty(groups, k, n, dtype=f32)
+        sa, sb = torch.empty(tokens, 1), torch.empty(groups, n, 1)
+        attempt(
+            f"grouped gemm fp8 {_label(config)}",
+            lambda a=a, b=b, out=out, sa=sa, sb=sb, config=config: grouped._grouped_gemm_fp8_kernel.fn[
+                (132,)
+            ](
+                a,
+                b,
+                out,
+                offs,
+                sa,
+                sb,
+                groups,
+                n,
+                k,
+                a.stride(0),
+                b.stride(0),
+                b.stride(2),
+                b.stride(1),
+                out.stride(0),
+                sb.stride(0),
+                sb.stride(1),
+                DTYPES="fp8",
+                TRANS_B=True,
+                A_ROWWISE=True,
+                NUM_SMS=132,
+                **config.all_kwargs(),
+            ),
+        )
+        lhs, rhs = torch.empty(tokens, k, dtype=e4m3), torch.empty(tokens, n, dtype=e5m2)
+        attempt(
+            f"grouped gemm fp8 variable-K {_label(config)}",
+            lambda lhs=lhs, rhs=rhs, w=w, config=config: grouped._grouped_gemm_fp8_variable_k_kernel.fn[
+                (groups, 64)
+            ](
+                lhs,
+                rhs,
+                w,
+                offs,
+                torch.empty(groups, k),
+                torch.empty(groups, n),
+                groups,
+                k,
+                n,
+                lhs.stride(0),
+                rhs.stride(0),
+                w.stride(0),
+                w.stride(1),
+                DTYPES="fp8",
+                PER_COLUMN=True,
+                **config.all_kwargs(),
+            ),
+        )
+    x, gamma = torch.empty(64, 7168, dtype=bf16), torch.empty(7168, dtype=bf16)
+    for quant in (0, 1, 2, 3):
+        attempt(
+            f"rmsnorm forward quant={quant}",
+            lambda quant=quant: norm.rmsnorm_fwd_triton(
+                x, gamma, 1e-6, False, None, quant, e4m3 if quant else None, 128 if quant == 2 else 0
+            ),
+        )
+    attempt("rmsnorm backward", lambda: norm.rmsnorm_bwd_triton(x, x, gamma, torch.empty(64), False))
+    fc1 = torch.empty(64, 2 * 2048, dtype=bf16)
+    for quant in (0, 1, 2, 3):
+        attempt(
+            f"gated forward quant={quant}",
+            lambda quant=quant: act.gated_act_fwd_triton(
+                fc1,
+                torch.empty(64),
+                torch.empty(64, dtype=torch.bool),
+                0,
+                quant,
+                e4m3 if quant else None,
+                128 if quant == 2 else 0,
+            ),
+        )
+    attempt(
+        "gated backward",
+        lambda: act.gated_act_bwd_triton(torch.empty(64, 2048, dtype=bf16), fc1, torch.empty(64), None, 1),
+    )
+    y = torch.empty(64, 7168, dtype=bf16)
+    for label, group_rows, group_cols, emax in (
+        ("row", 1, 7168, None),
+        ("1x128", 1, 128, None),
+        ("128x128", 128, 128, None),
+        ("mx", 1, 32, 8),
+    ):
+        n_scales = (-(-64 // group_rows), -(-7168 // group_cols))
+        scale = torch.empty(n_scales, dtype=torch.uint8 if emax else f32)
+        attempt(
+            f"quantize fp8 {label}",
+            lambda group_rows=group_rows, group_cols=group_cols, scale=scale, emax=emax: (
+                fp8q.quantize_fp8_groups_triton(
+                    y, torch.empty(y.shape, dtype=e4m3), scale, group_cols, group_rows, emax
+                )
+            ),
+        )
+    attempt(
+        "quantize fp8 dual 1x128",
+        lambda: fp8q.quantize_fp8_dual_blocks_triton(
+            y,
+            torch.empty(y.shape, dtype=e4m3),
+            torch.empty(64, 56),
+            torch.empty(7168, 64, dtype=e4m3),
+            torch.empty(7168, 1),
+            128,
+        ),
+    )
+    attempt(
+        "quantize fp8 tensorwise cast",
+        lambda: fp8q.scale_cast_fp8_triton(y, torch.empty(y.shape, dtype=e4m3), torch.empty(1)),
+    )
+    attempt(
+        "quantize fp4",
+        lambda: fp4q.quantize_fp4_rows_triton(
+            y, torch.empty(64, 3584, dtype=torch.uint8), torch.empty(64, 224, dtype=torch.uint8)
+        ),
+    )
+    print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
