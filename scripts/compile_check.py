@@ -16,6 +16,7 @@ import os
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
+os.environ["PRIMUS_TURBO_TRITON_AUTOTUNE"] = "0"  # launchers pick their config on the host: no timing runs
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -207,107 +208,28 @@ def main(argv: list[str] | None = None) -> int:
             )
     groups, tokens = 8, 4096
     offs = torch.empty(groups + 1, dtype=torch.int64)
-    for config in configs(grouped._configs):
-        a, b = torch.empty(tokens, k, dtype=bf16), torch.empty(groups, n, k, dtype=bf16)
-        out, w = torch.empty(tokens, n, dtype=bf16), torch.empty(groups, k, n, dtype=f32)
-        attempt(
-            f"grouped gemm {_label(config)}",
-            lambda a=a, b=b, out=out, config=config: grouped._grouped_gemm_kernel.fn[(132,)](
-                a,
-                b,
-                out,
-                offs,
-                groups,
-                n,
-                k,
-                a.stride(0),
-                b.stride(0),
-                b.stride(2),
-                b.stride(1),
-                out.stride(0),
-                DTYPES="bf16",
-                TRANS_B=True,
-                DOT_PRECISION="tf32",
-                NUM_SMS=132,
-                **config.all_kwargs(),
-            ),
-        )
-        attempt(
-            f"grouped gemm variable-K {_label(config)}",
-            lambda a=a, out=out, w=w, config=config: grouped._grouped_gemm_variable_k_kernel.fn[(groups, 64)](
-                a,
-                out,
-                w,
-                offs,
-                groups,
-                k,
-                n,
-                a.stride(0),
-                out.stride(0),
-                w.stride(0),
-                w.stride(1),
-                ACCUMULATE=True,
-                DTYPES="bf16",
-                DOT_PRECISION="tf32",
-                **config.all_kwargs(),
-            ),
-        )
-    for config in configs(grouped._fp8_configs):
-        a, b = torch.empty(tokens, k, dtype=e5m2), torch.empty(groups, n, k, dtype=e4m3)
-        out, w = torch.empty(tokens, n, dtype=bf16), torch.empty(groups, k, n, dtype=f32)
-        sa, sb = torch.empty(tokens, 1), torch.empty(groups, n, 1)
-        attempt(
-            f"grouped gemm fp8 {_label(config)}",
-            lambda a=a, b=b, out=out, sa=sa, sb=sb, config=config: grouped._grouped_gemm_fp8_kernel.fn[
-                (132,)
-            ](
-                a,
-                b,
-                out,
-                offs,
-                sa,
-                sb,
-                groups,
-                n,
-                k,
-                a.stride(0),
-                b.stride(0),
-                b.stride(2),
-                b.stride(1),
-                out.stride(0),
-                sb.stride(0),
-                sb.stride(1),
-                DTYPES="fp8",
-                TRANS_B=True,
-                A_ROWWISE=True,
-                NUM_SMS=132,
-                **config.all_kwargs(),
-            ),
-        )
-        lhs, rhs = torch.empty(tokens, k, dtype=e4m3), torch.empty(tokens, n, dtype=e5m2)
-        attempt(
-            f"grouped gemm fp8 variable-K {_label(config)}",
-            lambda lhs=lhs, rhs=rhs, w=w, config=config: grouped._grouped_gemm_fp8_variable_k_kernel.fn[
-                (groups, 64)
-            ](
-                lhs,
-                rhs,
-                w,
-                offs,
-                torch.empty(groups, k),
-                torch.empty(groups, n),
-                groups,
-                k,
-                n,
-                lhs.stride(0),
-                rhs.stride(0),
-                w.stride(0),
-                w.stride(1),
-                DTYPES="fp8",
-                PER_COLUMN=True,
-                **config.all_kwargs(),
-            ),
-        )
+    a16, w16 = torch.empty(tokens, k, dtype=bf16), torch.empty(groups, n, k, dtype=bf16)
+    dy16 = torch.empty(tokens, n, dtype=bf16)
+    a8, w8 = torch.empty(tokens, k, dtype=e5m2), torch.empty(groups, n, k, dtype=e4m3)
+    lhs8, rhs8 = torch.empty(tokens, k, dtype=e4m3), torch.empty(tokens, n, dtype=e5m2)
+    launches = {
+        grouped._grouped_gemm_kernel: lambda: grouped.grouped_gemm_triton(a16, w16, offs, True),
+        grouped._grouped_gemm_variable_k_kernel: lambda: grouped.grouped_gemm_variable_k_triton(
+            a16, dy16, offs, torch.empty(groups, k, n, dtype=f32), accumulate=True
+        ),
+        grouped._grouped_gemm_fp8_kernel: lambda: grouped.grouped_gemm_fp8_triton(
+            a8, torch.empty(tokens, 1), w8, torch.empty(groups, n, 1), offs, True, bf16
+        ),
+        grouped._grouped_gemm_fp8_variable_k_kernel: lambda: grouped.grouped_gemm_fp8_variable_k_triton(
+            lhs8, torch.empty(groups, k), rhs8, torch.empty(groups, n), offs, f32
+        ),
+    }
+    for kernel, launch in launches.items():
+        all_configs = kernel.configs
+        for config in all_configs[:1] if args.quick else all_configs:
+            kernel.configs = [config]  # the untuned launcher takes the first config
+            attempt(f"grouped {kernel.base_fn.__name__} {_label(config)}", launch)
+        kernel.configs = all_configs
     x, gamma = torch.empty(64, 7168, dtype=bf16), torch.empty(7168, dtype=bf16)
     for quant in (0, 1, 2, 3):
         attempt(

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,129 +61,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 _keep_output = KeepAccumulatedOutput("out_ptr")
 
 
-@triton.autotune(
-    configs=_configs(),
-    key=["N", "K", "G", "DTYPES", "TRANS_B"],
-    prune_configs_by={"early_config_prune": _prune},
-)
 @triton.jit(do_not_specialize=["G"])
-def _grouped_gemm_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    offs_ptr,
-    G,
-    N,
-    K,
-    stride_am,
-    stride_bg,
-    stride_bk,
-    stride_bn,
-    stride_cm,
-    DTYPES: tl.constexpr,
-    TRANS_B: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_before = tl.zeros((), dtype=tl.int64)  # int64, like the group offsets
-    for g in range(G):
-        start = tl.load(offs_ptr + g)
-        end = tl.load(offs_ptr + g + 1)
-        group_tiles = tl.cdiv(end - start, BLOCK_M) * num_pid_n
-        first = (pid - tiles_before % NUM_SMS + NUM_SMS) % NUM_SMS
-        for t in range(first, group_tiles, NUM_SMS):
-            rows = start + (t // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = (t % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_ok = rows < end
-            col_ok = cols < N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            b_base = b_ptr + (start - start + g) * stride_bg  # int64, like the offsets
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                a = tl.load(
-                    a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                b = tl.load(
-                    b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        tiles_before += group_tiles
-
-
-@triton.autotune(
-    configs=_configs(),
-    key=["P", "Q", "G", "DTYPES", "ACCUMULATE"],
-    prune_configs_by={"early_config_prune": _prune},
-    pre_hook=_keep_output.save,
-    post_hook=_keep_output.restore,
-)
-@triton.jit(do_not_specialize=["G"])
-def _grouped_gemm_variable_k_kernel(
-    lhs_ptr,
-    rhs_ptr,
-    out_ptr,
-    offs_ptr,
-    G,
-    P,
-    Q,
-    stride_lt,
-    stride_rt,
-    stride_og,
-    stride_op,
-    ACCUMULATE: tl.constexpr,
-    DTYPES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the group's tokens."""
-    g = tl.program_id(0)
-    tile = tl.program_id(1)
-    num_pid_q = tl.cdiv(Q, BLOCK_N)
-    ps = (tile // num_pid_q) * BLOCK_M + tl.arange(0, BLOCK_M)
-    qs = (tile % num_pid_q) * BLOCK_N + tl.arange(0, BLOCK_N)
-    p_ok = ps < P
-    q_ok = qs < Q
-    start = tl.load(offs_ptr + g)
-    end = tl.load(offs_ptr + g + 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(start, end, BLOCK_K):
-        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_ok = ks < end
-        lhs = tl.load(
-            lhs_ptr + ks[:, None] * stride_lt + ps[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0
-        )
-        rhs = tl.load(
-            rhs_ptr + ks[:, None] * stride_rt + qs[None, :], mask=k_ok[:, None] & q_ok[None, :], other=0.0
-        )
-        acc = tl.dot(lhs.T, rhs, acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + g.to(tl.int64) * stride_og + ps[:, None] * stride_op + qs[None, :]
-    mask = p_ok[:, None] & q_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.autotune(
-    configs=_fp8_configs(),
-    key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE"],
-    prune_configs_by={"early_config_prune": _prune},
-)
-@triton.jit(do_not_specialize=["G"])
-def _grouped_gemm_fp8_kernel(
+def _grouped_gemm_jit(
     a_ptr,
     b_ptr,
     c_ptr,
@@ -200,14 +81,17 @@ def _grouped_gemm_fp8_kernel(
     stride_sbn,
     DTYPES: tl.constexpr,
     TRANS_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
     A_ROWWISE: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The persistent grouped walk of ``_grouped_gemm_kernel`` on FP8 operands; the scales (per row or
-    one for ``a``, per output column or one per expert for ``b``) apply once per finished tile."""
+    """Persistent walk over the groups' tiles (see the module docstring). With SCALED the operands are
+    FP8: the MMA promotes to fp32 every K-block, and the scales (one or per row for ``a``; one per
+    expert or per output column for ``b``) apply once to the finished tile."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_before = tl.zeros((), dtype=tl.int64)  # int64, like the group offsets
@@ -216,7 +100,7 @@ def _grouped_gemm_fp8_kernel(
         end = tl.load(offs_ptr + g + 1)
         group_tiles = tl.cdiv(end - start, BLOCK_M) * num_pid_n
         first = (pid - tiles_before % NUM_SMS + NUM_SMS) % NUM_SMS
-        g64 = start - start + g
+        g64 = start - start + g  # int64, like the offsets
         for t in range(first, group_tiles, NUM_SMS):
             rows = start + (t // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = (t % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -236,25 +120,24 @@ def _grouped_gemm_fp8_kernel(
                     mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0,
                 )
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            if A_ROWWISE:
-                sa = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
-            else:
-                sa = tl.load(a_scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
-            sb = tl.load(b_scale_ptr + g64 * stride_sbg + cols * stride_sbn, mask=col_ok, other=0.0)
-            acc = acc * (sa[:, None] * sb[None, :])
+                if SCALED:
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+                else:
+                    acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if SCALED:
+                if A_ROWWISE:
+                    sa = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+                else:
+                    sa = tl.load(a_scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
+                sb = tl.load(b_scale_ptr + g64 * stride_sbg + cols * stride_sbn, mask=col_ok, other=0.0)
+                acc = acc * (sa[:, None] * sb[None, :])
             c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         tiles_before += group_tiles
 
 
-@triton.autotune(
-    configs=_fp8_configs(),
-    key=["P", "Q", "G", "DTYPES", "PER_COLUMN"],
-    prune_configs_by={"early_config_prune": _prune},
-)
 @triton.jit(do_not_specialize=["G"])
-def _grouped_gemm_fp8_variable_k_kernel(
+def _grouped_variable_k_jit(
     lhs_ptr,
     rhs_ptr,
     out_ptr,
@@ -268,14 +151,18 @@ def _grouped_gemm_fp8_variable_k_kernel(
     stride_rt,
     stride_og,
     stride_op,
+    ACCUMULATE: tl.constexpr,
     DTYPES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
     PER_COLUMN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """FP8 ``out[g] = (lhs * s)^T (rhs * s)`` over the group's rows; the scales are constant along the
-    reduction (one, or one per (group, column)), so they apply once to the finished tile."""
+    """One program per (group, output tile): BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the
+    group's tokens. With SCALED the operands are FP8 and their scales (one, or one per (group, column))
+    are constant along the reduction, so they apply once to the finished tile."""
     g = tl.program_id(0)
     tile = tl.program_id(1)
     num_pid_q = tl.cdiv(Q, BLOCK_N)
@@ -295,16 +182,47 @@ def _grouped_gemm_fp8_variable_k_kernel(
         rhs = tl.load(
             rhs_ptr + ks[:, None] * stride_rt + qs[None, :], mask=k_ok[:, None] & q_ok[None, :], other=0.0
         )
-        acc = tl.dot(lhs.T, rhs, acc, max_num_imprecise_acc=BLOCK_K)
-    if PER_COLUMN:
-        sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
-        sr = tl.load(rhs_scale_ptr + g * Q + qs, mask=q_ok, other=0.0)
-    else:
-        sl = tl.load(lhs_scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
-        sr = tl.load(rhs_scale_ptr) + tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc = acc * (sl[:, None] * sr[None, :])
+        if SCALED:
+            acc = tl.dot(lhs.T, rhs, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(lhs.T, rhs, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        if PER_COLUMN:
+            sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
+            sr = tl.load(rhs_scale_ptr + g * Q + qs, mask=q_ok, other=0.0)
+        else:
+            sl = tl.load(lhs_scale_ptr) + tl.zeros([BLOCK_M], dtype=tl.float32)
+            sr = tl.load(rhs_scale_ptr) + tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = acc * (sl[:, None] * sr[None, :])
     out_ptrs = out_ptr + g.to(tl.int64) * stride_og + ps[:, None] * stride_op + qs[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
+    mask = p_ok[:, None] & q_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_grouped_gemm_kernel = triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "G", "DTYPES", "TRANS_B"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_grouped_gemm_jit)
+_grouped_gemm_fp8_kernel = triton.autotune(
+    configs=_fp8_configs(),
+    key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_grouped_gemm_jit)
+_grouped_gemm_variable_k_kernel = triton.autotune(
+    configs=_configs(),
+    key=["P", "Q", "G", "DTYPES", "ACCUMULATE"],
+    prune_configs_by={"early_config_prune": _prune},
+    pre_hook=_keep_output.save,
+    post_hook=_keep_output.restore,
+)(_grouped_variable_k_jit)
+_grouped_gemm_fp8_variable_k_kernel = triton.autotune(
+    configs=_fp8_configs(),
+    key=["P", "Q", "G", "DTYPES", "PER_COLUMN"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_grouped_variable_k_jit)
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -317,6 +235,12 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
     params = {**kwargs, **config.all_kwargs()}
     grid = grid(params) if callable(grid) else grid
     kernel.fn[grid](*args, **params)
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_scale(device: torch.device) -> torch.Tensor:
+    """Placeholder for the scale pointers of an unscaled (bf16/fp16/fp32) launch."""
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -338,6 +262,7 @@ def grouped_gemm_triton(
         return out.zero_()
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     sms = num_sms(a.device)
+    unused = _unused_scale(a.device)
     _launch(
         _grouped_gemm_kernel,
         (sms,),
@@ -345,6 +270,8 @@ def grouped_gemm_triton(
         b,
         out,
         group_offs,
+        unused,
+        unused,
         groups,
         n,
         k,
@@ -353,9 +280,13 @@ def grouped_gemm_triton(
         stride_bk,
         stride_bn,
         out.stride(0),
+        0,
+        0,
         DTYPES=str(a.dtype),
         TRANS_B=trans_b,
         DOT_PRECISION=_precision(a.dtype),
+        SCALED=False,
+        A_ROWWISE=False,
         NUM_SMS=sms,
     )
     return out
@@ -377,6 +308,7 @@ def grouped_gemm_variable_k_triton(
     def grid(meta: dict) -> tuple[int, int]:
         return (groups, triton.cdiv(p, meta["BLOCK_M"]) * triton.cdiv(q, meta["BLOCK_N"]))
 
+    unused = _unused_scale(lhs.device)
     _launch(
         _grouped_gemm_variable_k_kernel,
         grid,
@@ -384,6 +316,8 @@ def grouped_gemm_variable_k_triton(
         rhs,
         out,
         group_offs,
+        unused,
+        unused,
         groups,
         p,
         q,
@@ -394,6 +328,8 @@ def grouped_gemm_variable_k_triton(
         ACCUMULATE=accumulate,
         DTYPES=f"{lhs.dtype}->{out.dtype}",
         DOT_PRECISION=_precision(lhs.dtype),
+        SCALED=False,
+        PER_COLUMN=False,
     )
     return out
 
@@ -443,6 +379,8 @@ def grouped_gemm_fp8_triton(
         stride_sbn,
         DTYPES=f"{a.dtype}x{b.dtype}->{out_dtype}",
         TRANS_B=trans_b,
+        DOT_PRECISION="tf32",
+        SCALED=True,
         A_ROWWISE=a_scale.dim() > 0,
         NUM_SMS=sms,
     )
@@ -484,7 +422,10 @@ def grouped_gemm_fp8_variable_k_triton(
         rhs.stride(0),
         out.stride(0),
         out.stride(1),
+        ACCUMULATE=False,
         DTYPES=f"{lhs.dtype}x{rhs.dtype}->{out_dtype}",
+        DOT_PRECISION="tf32",
+        SCALED=True,
         PER_COLUMN=lhs_scale.dim() > 0,
     )
     return out
