@@ -8,6 +8,7 @@
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
+#   TIMER=graph         time the bf16 GEMM benchmark from CUDA-graph replays (device time only)
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
 #                       (FP8_SHAPES, default quick)
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
@@ -78,7 +79,8 @@ fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
   --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
-  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" ${SKIP_CSV:+--skip-csv "$SKIP_CSV"} \
+  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" --timer "${TIMER:-events}" \
+  ${SKIP_CSV:+--skip-csv "$SKIP_CSV"} \
   -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" \
   | tee "$OUT/bench_${SHAPES}_${BENCH_SHARD%/*}.log" || status=1
 if [ "${LAYOUTS:-0}" = 1 ]; then

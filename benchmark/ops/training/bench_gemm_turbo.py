@@ -24,7 +24,13 @@ import triton
 import triton.testing
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import cpu_timer, cuda_timer, make_inputs, platform_name
+from benchmark.ops.training.bench_utils import (
+    cpu_timer,
+    cuda_graph_timer,
+    cuda_timer,
+    make_inputs,
+    platform_name,
+)
 from benchmark.ops.training.config import SHAPE_SETS, GemmShape, gemm_shape_set
 
 try:
@@ -283,6 +289,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test with wall-clock timing"
     )
+    p.add_argument(
+        "--timer",
+        choices=("events", "graph"),
+        default="events",
+        help="events: eager calls with an L2 flush each (host cost included); graph: CUDA-graph replay "
+        "(device time only)",
+    )
     args = p.parse_args(argv)
     if not 0 <= args.shard_id < args.num_shards:
         p.error("need 0 <= --shard-id < --num-shards")
@@ -301,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             done = {(int(r["M"]), int(r["N"]), int(r["K"])) for r in csv.DictReader(f)}
         shapes = [s for s in shapes if (s.M, s.N, s.K) not in done]
     shapes = shapes[args.shard_id :: args.num_shards]
-    timer = cpu_timer if args.device == "cpu" else cuda_timer
+    timer = cpu_timer if args.device == "cpu" else cuda_graph_timer if args.timer == "graph" else cuda_timer
     env = {"Platform": platform_name(args.device), "Torch": torch.__version__, "Triton": triton.__version__}
     if args.dtype in ("fp8", "fp4"):
         from benchmark.ops.training import bench_gemm_fp8

@@ -13,7 +13,7 @@ import triton.testing
 
 from benchmark.ops.training.config import GemmShape
 
-__all__ = ["MIN_TIMED_CALLS", "cpu_timer", "cuda_timer", "make_inputs", "platform_name"]
+__all__ = ["MIN_TIMED_CALLS", "cpu_timer", "cuda_graph_timer", "cuda_timer", "make_inputs", "platform_name"]
 
 
 MIN_TIMED_CALLS = 20  # long GEMMs get a longer timing window so their median has this many samples
@@ -33,6 +33,13 @@ def cuda_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None
     end.synchronize()
     rep = max(100.0, MIN_TIMED_CALLS * start.elapsed_time(end))
     return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def cuda_graph_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph: device time only, without the host's
+    per-call launch and dispatch cost (and without an L2 flush between calls)."""
+    fn()  # any first-call tuning and compilation happens outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
 def cpu_timer(
