@@ -16,7 +16,8 @@ _MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_fuse_bgrad_accum_pattern(pattern: str | None, b: object) -> None:
-    """``pattern`` is None or ``"megatron"``; the latter needs a tensor ``b`` with a usable ``main_grad``."""
+    """``pattern`` is None or ``"megatron"``; the latter needs a tensor ``b`` with a usable ``main_grad``,
+    and marks ``b.grad_added_to_main_grad`` when a gradient will be computed."""
     if pattern not in ACCUM_PATTERNS:
         raise ValueError(f"fuse_bgrad_accum_pattern must be None or 'megatron', got {pattern!r}")
     if pattern is None:
@@ -31,10 +32,13 @@ def check_fuse_bgrad_accum_pattern(pattern: str | None, b: object) -> None:
         )
     if main_grad.dtype not in _MAIN_GRAD_DTYPES:
         raise TypeError(f"b.main_grad.dtype must be fp32, bf16 or fp16, got {main_grad.dtype}")
+    if b.requires_grad and torch.is_grad_enabled():
+        # set when the call is made rather than inside backward, which torch.compile cannot capture; the
+        # flag is read by Megatron's gradient hook only after this call's backward has accumulated
+        b.grad_added_to_main_grad = True
 
 
 def finish_fused_wgrad(b: torch.Tensor) -> torch.Tensor:
-    """Mark ``b``'s gradient as accumulated and return the dummy gradient autograd receives."""
-    b.grad_added_to_main_grad = True
+    """The dummy gradient autograd receives once the wgrad went into ``b.main_grad``."""
     make = torch.zeros if getattr(b, "zero_out_wgrad", False) else torch.empty
     return make(b.shape, dtype=b.dtype, device=b.device)

@@ -334,3 +334,16 @@ def test_gemm_fuzz_every_available_backend(m, n, k, trans_a, trans_b, dtype):
         GlobalBackendManager.set_gemm_backend(backend)
         _check_close(gemm(a, b, trans_a, trans_b), expected, dtype)
     GlobalBackendManager.reset()
+
+
+def test_megatron_fused_accumulation_compiles_fullgraph():
+    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, 16, device=DEVICE, requires_grad=True)
+    w.main_grad = torch.zeros(8, 16, device=DEVICE)
+
+    def step(x, w):
+        return gemm(x, w, trans_b=True, fuse_bgrad_accum_pattern="megatron").sum()
+
+    torch.compile(step, fullgraph=True, backend="aot_eager")(x, w).backward()
+    assert w.grad_added_to_main_grad
+    torch.testing.assert_close(w.main_grad, torch.ones(4, 8, device=DEVICE).t() @ x.detach())
