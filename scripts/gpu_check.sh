@@ -4,6 +4,7 @@
 #   SHAPES=quick|full   benchmark shape set (default quick)
 #   BENCH_SHARD=i/n     run shard i of n of the shape set (default 0/1)
 #   SKIP_TESTS=1        benchmark only
+#   TEST_PATHS="..."    test paths (default tests), to split the suite over several device calls
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
@@ -40,11 +41,11 @@ make env 2>&1 | tail -n 40 | tee "$OUT/build.log" || status=1
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   export PRIMUS_TURBO_TRITON_AUTOTUNE=0
-  timeout "${TEST_TIMEOUT:-300}" .venv/bin/python -m pytest tests -n 8 -v --tb=short -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest ${TEST_PATHS:-tests} -n 8 -v --tb=short -p no:cacheprovider \
     -p no:benchmark --durations=15 > "$OUT/tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -n 40
   tail -n 40 "$OUT/tests.log"
-  timeout "${TEST_TIMEOUT:-300}" .venv/bin/python -m pytest tests -n 4 -q -p no:cacheprovider \
+  timeout "${DET_TIMEOUT:-120}" .venv/bin/python -m pytest ${TEST_PATHS:-tests} -n 4 -q -p no:cacheprovider \
     --deterministic-only > "$OUT/tests_deterministic.log" 2>&1 || status=1
   tail -n 15 "$OUT/tests_deterministic.log"
   unset PRIMUS_TURBO_TRITON_AUTOTUNE
