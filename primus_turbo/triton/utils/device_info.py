@@ -8,12 +8,32 @@ import torch
 from primus_turbo.common.constants import ENV_TRITON_AUTOTUNE
 from primus_turbo.common.platform import is_hopper_or_newer
 
-__all__ = ["interpreter_active", "kernel_autotune_enabled", "max_shared_memory", "num_sms", "supports_tma"]
+__all__ = [
+    "interpreter_active",
+    "kernel_autotune_enabled",
+    "max_shared_memory",
+    "num_sms",
+    "supports_tma",
+    "triton_runs_on",
+    "triton_unavailable_reason",
+]
 
 
 def interpreter_active() -> bool:
     """True when Triton kernels run under ``TRITON_INTERPRET=1`` (the CPU test path)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels take tensors on ``device``: GPUs, and the CPU under the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_active())
+
+
+def triton_unavailable_reason() -> str | None:
+    """Why no Triton kernel can run in this process (no GPU, no interpreter), or None when one can."""
+    if torch.cuda.is_available() or interpreter_active():
+        return None
+    return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 to run on the CPU"
 
 
 def kernel_autotune_enabled() -> bool:

@@ -20,7 +20,7 @@ from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
 )
 from primus_turbo.triton.activation import GELU_TANH, SILU, gated_act_bwd_triton, gated_act_fwd_triton
 from primus_turbo.triton.activation.gated_act_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
     "GELU_TANH",
@@ -35,7 +35,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+    return triton_runs_on(x.device)
 
 
 def _act(a: torch.Tensor, act: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from primus_turbo.triton.gemm.gemm_fp8_kernel import (
     gemm_fp8_triton,
     supported_scale_blocks,
 )
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
 
 __all__ = ["GemmFp8Dispatcher", "gemm_fp8_accum_impl", "gemm_fp8_impl"]
 
@@ -114,9 +114,7 @@ class TritonGemmFp8Backend(KernelBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if torch.cuda.is_available() or interpreter_active():
-            return None
-        return "needs a CUDA GPU, or TRITON_INTERPRET=1 to run on the CPU"
+        return triton_unavailable_reason()
 
     @classmethod
     def unsupported_reason(cls, a, b, out_dtype, granularity, block_size, out=None, **_: Any) -> str | None:

@@ -22,7 +22,7 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.triton.gemm.gemm_kernel import gemm_triton
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
 
 __all__ = [
     "GemmDispatcher",
@@ -107,9 +107,7 @@ class TritonGemmBackend(KernelBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if torch.cuda.is_available() or interpreter_active():
-            return None
-        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 to run on the CPU"
+        return triton_unavailable_reason()
 
     @classmethod
     def unsupported_reason(cls, a, b, out_dtype, **_: Any) -> str | None:

@@ -31,7 +31,7 @@ from primus_turbo.pytorch.core.backend import (
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import tensorwise_multipliers
 from primus_turbo.triton.grouped_gemm import grouped_gemm_fp8_triton, grouped_gemm_fp8_variable_k_triton
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import triton_runs_on, triton_unavailable_reason
 
 __all__ = [
     "GroupedGemmFp8Dispatcher",
@@ -99,22 +99,16 @@ class HipblasltGroupedGemmFp8Backend(KernelBackend):
         )
 
 
-def _triton_usable(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
-
-
 class TritonGroupedGemmFp8Backend(KernelBackend):
     """The persistent grouped FP8 kernel: group offsets read on the device, scales in the epilogue."""
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if torch.cuda.is_available() or interpreter_active():
-            return None
-        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 to run on the CPU"
+        return triton_unavailable_reason()
 
     @classmethod
     def unsupported_reason(cls, a, **_: Any) -> str | None:
-        return None if _triton_usable(a) else "CPU tensors need TRITON_INTERPRET=1"
+        return None if triton_runs_on(a.device) else "CPU tensors need TRITON_INTERPRET=1"
 
     @staticmethod
     def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, **_: Any) -> torch.Tensor:

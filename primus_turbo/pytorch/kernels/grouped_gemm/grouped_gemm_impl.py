@@ -24,7 +24,7 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.triton.grouped_gemm import grouped_gemm_triton, grouped_gemm_variable_k_triton
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
 
 __all__ = [
     "GroupedGemmDispatcher",
@@ -87,9 +87,7 @@ class TritonGroupedGemmBackend(KernelBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if torch.cuda.is_available() or interpreter_active():
-            return None
-        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 to run on the CPU"
+        return triton_unavailable_reason()
 
     @classmethod
     def unsupported_reason(cls, a, **_: Any) -> str | None:

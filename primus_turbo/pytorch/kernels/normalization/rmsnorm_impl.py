@@ -15,7 +15,7 @@ from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
 )
 from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fwd_triton
 from primus_turbo.triton.normalization.rmsnorm_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
     "rmsnorm_bwd_impl",
@@ -28,7 +28,7 @@ __all__ = [
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+    return triton_runs_on(x.device)
 
 
 def _weight(gamma: torch.Tensor, zero_centered: bool) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import e8m0_scales_from_amax
 from primus_turbo.triton.quantization import quantize_fp4_rows_triton
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
     "FP4_DTYPE",
@@ -69,7 +69,7 @@ def _quantize_2d(x: torch.Tensor, triton_path: bool) -> tuple[torch.Tensor, torc
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+    return triton_runs_on(x.device)
 
 
 def _quantize(x: torch.Tensor, triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from primus_turbo.triton.quantization import (
     quantize_fp8_groups_triton,
     scale_cast_fp8_triton,
 )
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
     "FP8_DTYPES",
@@ -90,7 +90,7 @@ def _use_triton(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Triton on GPUs and under the interpreter; the FNUZ types only exist in Triton on ROCm."""
     if out_dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) and torch.version.hip is None:
         return False
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_active())
+    return triton_runs_on(x.device)
 
 
 def e8m0_scales_from_amax(amax: torch.Tensor, emax: int) -> tuple[torch.Tensor, torch.Tensor]:
