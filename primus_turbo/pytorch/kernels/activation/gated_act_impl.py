@@ -15,6 +15,7 @@ from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     finish_tensorwise_fp8,
+    fp8_triton_usable,
     quantize_fp8_reference,
     scale_inv_shape,
 )
@@ -98,7 +99,6 @@ _QUANT_MODES = {
     ScalingGranularity.ROWWISE.value: QUANT_ROW,
     ScalingGranularity.BLOCKWISE.value: QUANT_BLOCKS,
 }
-_FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 @custom_op("primus_turbo::gated_act_fp8_fwd", mutates_args=())
@@ -113,7 +113,7 @@ def gated_act_fp8_fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, q, scale_inv)``: the gated activation and ``quantize_fp8(out)`` along H (tensorwise, per
     row or 1 x ``block_size`` blocks), bit for bit, from the same kernel."""
-    if not _use_triton(x) or (fp8_dtype in _FNUZ and torch.version.hip is None):
+    if not fp8_triton_usable(x, fp8_dtype):
         out = gated_act_reference(x, probs, row_mask, act).to(x.dtype)
         return (out, *quantize_fp8_reference(out, fp8_dtype, granularity, block_size, 1, False))
     mode = _QUANT_MODES[granularity]

@@ -10,6 +10,7 @@ from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     finish_tensorwise_fp8,
+    fp8_triton_usable,
     quantize_fp8_reference,
     scale_inv_shape,
 )
@@ -128,11 +129,7 @@ def rmsnorm_fp8_fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, rstd, q, scale_inv)``: RMSNorm of 2-D ``x`` and ``quantize_fp8(y)`` along the hidden
     dimension (tensorwise, per row, or 1 x ``block_size`` blocks), bit for bit, from the same pass."""
-    if (
-        not _use_triton(x)
-        or fp8_dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-        and torch.version.hip is None
-    ):
+    if not fp8_triton_usable(x, fp8_dtype):
         y, _, rstd = rmsnorm_fwd_reference(x, gamma, eps, zero_centered)
         q, scale = quantize_fp8_reference(y, fp8_dtype, granularity, block_size, 1, False)
         return y, rstd, q, scale

@@ -27,6 +27,7 @@ __all__ = [
     "dequantize_fp8_impl",
     "dequantize_fp8_reference",
     "e8m0_scales_from_amax",
+    "fp8_triton_usable",
     "mx_emax",
     "quantize_fp8_impl",
     "quantize_fp8_reference",
@@ -86,7 +87,7 @@ def _scale_dtype(granularity: int) -> torch.dtype:
     return torch.float8_e8m0fnu if granularity == _MX else torch.float32
 
 
-def _use_triton(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+def fp8_triton_usable(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Triton on GPUs and under the interpreter; the FNUZ types only exist in Triton on ROCm."""
     if out_dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) and torch.version.hip is None:
         return False
@@ -262,7 +263,7 @@ def quantize_fp8_impl(
     x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, axis: int, block_2d: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of ``x``; see ``ops.quantization.quantize_fp8``."""
-    return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, _use_triton(x, out_dtype))
+    return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, fp8_triton_usable(x, out_dtype))
 
 
 @quantize_fp8_impl.register_fake
@@ -285,7 +286,7 @@ def quantize_fp8_with_trans_impl(
     x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block_size: int, block_2d: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-wise ``(q, scale_inv)`` of ``x`` (M, K) and column-wise ones stored as (K, M)."""
-    return _with_trans(x, out_dtype, granularity, block_size, block_2d, _use_triton(x, out_dtype))
+    return _with_trans(x, out_dtype, granularity, block_size, block_2d, fp8_triton_usable(x, out_dtype))
 
 
 @quantize_fp8_with_trans_impl.register_fake
