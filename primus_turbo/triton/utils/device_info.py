@@ -42,6 +42,10 @@ def kernel_autotune_enabled() -> bool:
     return not interpreter_active() and os.environ.get(ENV_TRITON_AUTOTUNE, "1").strip() != "0"
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -50,7 +54,7 @@ def _cuda_num_sms(index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (compute units) of ``device``; a small fixed count on CPU."""
     if device.type == "cuda":
-        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_num_sms(_cuda_index(device))
     return 4
 
 
@@ -64,9 +68,7 @@ def _cuda_max_shared_memory(index: int) -> int:
 def max_shared_memory(device: torch.device) -> int:
     """Bytes of shared memory (LDS on AMD) one block may use: 227 KB on Hopper, 64 KB on gfx942."""
     if device.type == "cuda":
-        return _cuda_max_shared_memory(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
+        return _cuda_max_shared_memory(_cuda_index(device))
     return 1 << 30
 
 
@@ -78,5 +80,5 @@ def _cuda_has_tma(index: int) -> bool:
 def supports_tma(device: torch.device) -> bool:
     """Tensor-memory-accelerator descriptors: NVIDIA sm_90+, and the interpreter emulates them."""
     if device.type == "cuda":
-        return _cuda_has_tma(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_has_tma(_cuda_index(device))
     return interpreter_active()
