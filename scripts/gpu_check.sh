@@ -4,6 +4,8 @@
 #   SHAPES=quick|full   benchmark shape set (default quick)
 #   BENCH_SHARD=i/n     run shard i of n of the shape set (default 0/1)
 #   SKIP_TESTS=1        benchmark only
+#   SKIP_BENCH=1        tests only
+#   SKIP_OVERHEAD=1     skip the host-time-per-call benchmark
 #   TEST_PATHS="..."    test paths (default tests), to split the suite over several device calls
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
@@ -52,7 +54,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
-timeout 120 .venv/bin/python -m benchmark.ops.training.bench_gemm_overhead 2>&1 | tee "$OUT/overhead.log" || status=1
+if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
+  timeout 120 .venv/bin/python -m benchmark.ops.training.bench_gemm_overhead 2>&1 | tee "$OUT/overhead.log" || status=1
+fi
 if [ "${FP8:-0}" = 1 ]; then
   for granularity in tensorwise rowwise blockwise mxfp8; do
     timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp8 \

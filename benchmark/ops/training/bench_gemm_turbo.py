@@ -29,6 +29,7 @@ from benchmark.ops.training.bench_utils import (
     cuda_graph_timer,
     cuda_timer,
     make_inputs,
+    paired_cuda_timer,
     platform_name,
 )
 from benchmark.ops.training.config import SHAPE_SETS, GemmShape, gemm_shape_set
@@ -140,18 +141,6 @@ def check_turbo(
     return "FAIL", errors[worst], f"{worst} rel err {errors[worst]:.2e} >= {CHECK_TOL:g}", selected
 
 
-def time_fwd_bwd(
-    op: Op, a: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, timer: Timer
-) -> tuple[float, float]:
-    """Milliseconds of the forward (no autograd) and of the backward of a graph built once."""
-    with torch.no_grad():
-        fwd_ms = timer(lambda: op(a, w), None)
-    out = op(a, w)
-    bwd_ms = timer(lambda: out.backward(grad_out, retain_graph=True), [a, w])
-    a.grad = w.grad = None
-    return fwd_ms, bwd_ms
-
-
 def timing_columns(prefix: str, shape: GemmShape, fwd_ms: float, bwd_ms: float) -> Row:
     """ms and TFLOPS columns; the forward is 2*M*N*K FLOPs and the backward (dgrad + wgrad) twice that."""
     fwd_flops = 2 * shape.M * shape.N * shape.K
@@ -164,19 +153,39 @@ def timing_columns(prefix: str, shape: GemmShape, fwd_ms: float, bwd_ms: float) 
 
 
 def time_against_peer(
-    turbo_op: Op, a: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, timer: Timer, rounds: int
+    turbo_op: Op, a: torch.Tensor, w: torch.Tensor, grad_out: torch.Tensor, args: argparse.Namespace
 ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((turbo fwd, bwd), (peer fwd, bwd)) medians over ``rounds`` alternating peer/turbo measurements.
+    """((turbo fwd, bwd), (peer fwd, bwd)) milliseconds: the forward without autograd, the backward
+    (dgrad + wgrad) of a graph built once.
 
-    Alternating cancels clock and thermal drift that would otherwise favour whichever runs second.
+    On a GPU peer and turbo calls interleave one by one (``paired_cuda_timer``), so drift in clocks
+    and power reaches both alike; on a CPU (smoke test) they run one after the other.
     """
-    turbo_times, peer_times = [], []
-    for _ in range(rounds):
-        peer_times.append(time_fwd_bwd(matmul_op, a, w, grad_out, timer))
-        turbo_times.append(time_fwd_bwd(turbo_op, a, w, grad_out, timer))
-    turbo = tuple(statistics.median(t[i] for t in turbo_times) for i in (0, 1))
-    peer = tuple(statistics.median(t[i] for t in peer_times) for i in (0, 1))
-    return turbo, peer
+    if args.device == "cpu":
+        with torch.no_grad():
+            fwd = [cpu_timer(lambda op=op: op(a, w)) for op in (turbo_op, matmul_op)]
+        outs = [op(a, w) for op in (turbo_op, matmul_op)]
+        bwd = [cpu_timer(lambda o=o: o.backward(grad_out, retain_graph=True), [a, w]) for o in outs]
+    else:
+        graph = args.timer == "graph"
+        # graph capture, and the forwards whose backward it captures, run on one side stream
+        stream = torch.cuda.Stream() if graph else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.no_grad():
+                fwd = paired_cuda_timer([lambda: turbo_op(a, w), lambda: matmul_op(a, w)], graph=graph)
+            turbo_out, peer_out = turbo_op(a, w), matmul_op(a, w)
+            bwd = paired_cuda_timer(
+                [
+                    lambda: turbo_out.backward(grad_out, retain_graph=True),
+                    lambda: peer_out.backward(grad_out, retain_graph=True),
+                ],
+                [a, w],
+                graph=graph,
+            )
+        torch.cuda.current_stream().wait_stream(stream)
+    a.grad = w.grad = None
+    return (fwd[0], bwd[0]), (fwd[1], bwd[1])
 
 
 def bench_shape(
@@ -185,10 +194,9 @@ def bench_shape(
     turbo_op: Op,
     configure: Callable[[str], None],
     args: argparse.Namespace,
-    timer: Timer,
     env: Row,
 ) -> list[Row]:
-    """One row per backend label, each timed against torch.matmul in alternating rounds."""
+    """One row per backend label, each timed against torch.matmul in the same interleaved run."""
     a, w, grad_out = make_inputs(shape, DTYPES[args.dtype], args.device)
     rows = []
     for label in backends:
@@ -199,9 +207,7 @@ def bench_shape(
             row["Check"], row["Rel err"], row["Error"], row["Selected"] = check_turbo(
                 turbo_op, a, w, grad_out
             )
-            (fwd_ms, bwd_ms), (peer_fwd, peer_bwd) = time_against_peer(
-                turbo_op, a, w, grad_out, timer, args.rounds
-            )
+            (fwd_ms, bwd_ms), (peer_fwd, peer_bwd) = time_against_peer(turbo_op, a, w, grad_out, args)
             row.update(timing_columns("", shape, fwd_ms, bwd_ms))
             row.update(timing_columns("Peer ", shape, peer_fwd, peer_bwd))
             row["Fwd ratio"] = peer_fwd / fwd_ms
@@ -284,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-shards", type=int, default=1, help="split the shape list into this many shards")
     p.add_argument("--shard-id", type=int, default=0, help="shard to run, 0 <= id < --num-shards")
     p.add_argument(
-        "--rounds", type=int, default=3, help="alternating peer/turbo timing rounds per row (median)"
+        "--rounds", type=int, default=3, help="fp8/fp4: alternating peer/turbo timing rounds per row (median)"
     )
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test with wall-clock timing"
@@ -293,8 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timer",
         choices=("events", "graph"),
         default="events",
-        help="events: eager calls with an L2 flush each (host cost included); graph: CUDA-graph replay "
-        "(device time only)",
+        help="events: eager calls with an L2 flush each (host cost included where it exceeds the flush); "
+        "graph: CUDA-graph replays (device time only)",
     )
     args = p.parse_args(argv)
     if not 0 <= args.shard_id < args.num_shards:
@@ -314,12 +320,13 @@ def main(argv: list[str] | None = None) -> None:
             done = {(int(r["M"]), int(r["N"]), int(r["K"])) for r in csv.DictReader(f)}
         shapes = [s for s in shapes if (s.M, s.N, s.K) not in done]
     shapes = shapes[args.shard_id :: args.num_shards]
-    timer = cpu_timer if args.device == "cpu" else cuda_graph_timer if args.timer == "graph" else cuda_timer
     env = {"Platform": platform_name(args.device), "Torch": torch.__version__, "Triton": triton.__version__}
     if args.dtype in ("fp8", "fp4"):
         from benchmark.ops.training import bench_gemm_fp8
 
         torch.manual_seed(0)
+        timer = cuda_graph_timer if args.timer == "graph" else cuda_timer
+        timer = cpu_timer if args.device == "cpu" else timer
         bench_gemm_fp8.run(args, shapes, ["TORCH"] if args.dtype == "fp4" else backends, timer, env)
         return
     LOG.info("%d shapes x %d backends on %s, %s", len(shapes), len(backends), env["Platform"], args.dtype)
@@ -330,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for shape in progress(shapes):
-            for row in bench_shape(shape, backends, turbo_op, configure, args, timer, env):
+            for row in bench_shape(shape, backends, turbo_op, configure, args, env):
                 writer.writerow(row)
                 rows.append(row)
             f.flush()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -13,7 +14,15 @@ import triton.testing
 
 from benchmark.ops.training.config import GemmShape
 
-__all__ = ["MIN_TIMED_CALLS", "cpu_timer", "cuda_graph_timer", "cuda_timer", "make_inputs", "platform_name"]
+__all__ = [
+    "MIN_TIMED_CALLS",
+    "cpu_timer",
+    "cuda_graph_timer",
+    "cuda_timer",
+    "make_inputs",
+    "paired_cuda_timer",
+    "platform_name",
+]
 
 
 MIN_TIMED_CALLS = 20  # long GEMMs get a longer timing window so their median has this many samples
@@ -40,6 +49,83 @@ def cuda_graph_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] 
     per-call launch and dispatch cost (and without an L2 flush between calls)."""
     fn()  # any first-call tuning and compilation happens outside the capture
     return triton.testing.do_bench_cudagraph(fn, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+PAIRED_WINDOW_MS = 150.0  # device time each function gets in a paired measurement
+PAIRED_MAX_CALLS = 400
+GRAPH_REPLAY_MS = 0.5  # calls captured per graph so one replay lasts at least this long
+
+
+def _reset_grads(tensors: list[torch.Tensor] | None) -> None:
+    for t in tensors or ():
+        t.grad = None
+
+
+def _captured(
+    fn: Callable[[], object], grads: list[torch.Tensor] | None, once_ms: float
+) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` captured on the current stream, so one
+    replay lasts about ``GRAPH_REPLAY_MS`` and its launch cost is spread; returns (graph, calls).
+
+    The current stream must be a side stream that also ran any forward whose backward ``fn`` runs:
+    autograd replays a backward op on its forward's stream, which must be the capturing one."""
+    calls = max(1, math.ceil(GRAPH_REPLAY_MS / max(once_ms, 1e-3)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+        for _ in range(calls):
+            _reset_grads(grads)
+            fn()
+    return graph, calls
+
+
+def paired_cuda_timer(
+    fns: Sequence[Callable[[], object]], grad_to_none: list[torch.Tensor] | None = None, graph: bool = False
+) -> list[float]:
+    """Median milliseconds per call of each function, timed call by call in interleaved order.
+
+    Iteration ``j`` times every function once (the order rotating with ``j``), each call between two
+    CUDA events, so clock, power and thermal drift reach all functions alike and the ratio of two
+    medians does not depend on when each was measured. Eager mode (``graph=False``) flushes L2 before
+    each call, and the host's launch cost counts where it exceeds the flush; ``graph=True`` replays
+    CUDA graphs (device time only, warm L2).
+    """
+    once = []
+    for fn in fns:
+        _reset_grads(grad_to_none)
+        fn()  # first-call tuning and compilation stay outside the timing
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _reset_grads(grad_to_none)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        once.append(start.elapsed_time(end))
+    if graph:
+        captured = [_captured(fn, grad_to_none, ms) for fn, ms in zip(fns, once, strict=True)]
+        runs = [g.replay for g, _ in captured]
+        calls = [n for _, n in captured]
+        cache = None
+    else:
+        runs, calls = list(fns), [1] * len(fns)
+        cache = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    longest = max(ms * n for ms, n in zip(once, calls, strict=True))
+    iters = min(PAIRED_MAX_CALLS, max(MIN_TIMED_CALLS, math.ceil(PAIRED_WINDOW_MS / max(longest, 1e-3))))
+    events = [
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for _ in fns
+    ]
+    for j in range(iters):
+        for step in range(len(fns)):
+            i = (j + step) % len(fns)
+            if cache is not None:
+                _reset_grads(grad_to_none)
+                cache.zero_()
+            start, end = events[i][j]
+            start.record()
+            runs[i]()
+            end.record()
+    torch.cuda.synchronize()
+    return [statistics.median(s.elapsed_time(e) for s, e in events[i]) / calls[i] for i in range(len(fns))]
 
 
 def cpu_timer(

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
+from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
     kernel_autotune_enabled,
@@ -361,6 +361,7 @@ def _owner_epilogue(
     prune_configs_by={"early_config_prune": _prune_configs},
     pre_hook=_keep_tma_out.save,
     post_hook=_keep_tma_out.restore,
+    do_bench=tuning_bench,
 )
 @triton.jit(do_not_specialize=["M", "N", "K"])
 def _gemm_tma_persistent_kernel(
@@ -486,6 +487,7 @@ def _gemm_tma_persistent_kernel(
     prune_configs_by={"early_config_prune": _prune_configs},
     pre_hook=_keep_pointer_out.save,
     post_hook=_keep_pointer_out.restore,
+    do_bench=tuning_bench,
 )
 @triton.jit(do_not_specialize=["M"])
 def _gemm_pointer_kernel(

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["KeepAccumulatedOutput"]
+__all__ = ["KeepAccumulatedOutput", "tuning_bench"]
+
+# Timing of one autotune candidate: 10 ms of warm-up and a 40 ms window. Triton's default (25 + 100 ms)
+# makes the first call of every new GEMM shape cost seconds; configs that differ by less than the
+# shorter window resolves are interchangeable.
+tuning_bench = functools.partial(triton.testing.do_bench, warmup=10, rep=40)
 
 
 class KeepAccumulatedOutput:

@@ -33,7 +33,7 @@ def _config(granularity: ScalingGranularity, fmt: Format = Format.E4M3) -> Float
 GRANULARITIES = list(G)
 BACKENDS = [BackendType.TORCH, BackendType.TRITON] + ([BackendType.HIPBLASLT] if ON_GPU else [])
 LAYOUTS = list(itertools.product([False, True], repeat=2))
-SHAPES = [(64, 96, 128), (96, 32, 64)]
+SHAPES = [(64, 96, 128), (96, 32, 64)] + ([(256, 128, 384)] if ON_GPU else [])
 # real-model shapes on the GPU, in the Linear layout (the one every layer uses)
 LARGE_SHAPES = [(4096, 4096, 4096), (2048, 576, 7168)] if ON_GPU else []
 # SNR gates (dB): the output of E4M3 and HYBRID at 25, E5M2 at 20; gradients follow the format that
@@ -91,6 +91,10 @@ def _check_forward_backward(backend, granularity, m, n, k, trans_a, trans_b, fmt
         pytest.skip("MX needs multiples of 32")
     GlobalBackendManager.set_gemm_backend(backend, PrecisionType.FP8)
     a, b, grad = _operands(m, n, k, trans_a, trans_b)
+    if granularity is G.BLOCKWISE and k % BLOCK:
+        with pytest.raises(ValueError, match="multiple of block_size"):
+            gemm_fp8(a, b, trans_a, trans_b, config=_config(granularity, fmt))
+        return
     try:
         out = gemm_fp8(a, b, trans_a, trans_b, config=_config(granularity, fmt))
         out.backward(grad)
@@ -141,7 +145,7 @@ def test_megatron_fused_wgrad_accumulation(backend, granularity):
     if backend is BackendType.TRITON and granularity is G.MX_BLOCKWISE:
         pytest.skip("MX runs on the TORCH backend")
     GlobalBackendManager.set_gemm_backend(backend, PrecisionType.FP8)
-    a, b, grad = _operands(64, 96, 128, False, True)
+    a, b, grad = _operands(2 * BLOCK, 3 * BLOCK, 4 * BLOCK, False, True)
     b.main_grad = torch.ones(b.shape, device=DEVICE, dtype=torch.float32)
     out = gemm_fp8(a, b, trans_b=True, config=_config(granularity), fuse_bgrad_accum_pattern="megatron")
     out.backward(grad)

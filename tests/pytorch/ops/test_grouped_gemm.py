@@ -178,8 +178,8 @@ def test_unbuilt_backends_say_why():
         (lambda a, b, lens: grouped_gemm(a, b.transpose(1, 2), lens), ValueError, "b has K="),
         (lambda a, b, lens: grouped_gemm(a, b.double(), lens), TypeError, "same dtype"),
         (lambda a, b, lens: grouped_gemm(a[None], b, lens), ValueError, "2-D"),
-        (lambda a, b, lens: grouped_gemm(a, b, lens.cpu() * 2), ValueError, "sum to"),
-        (lambda a, b, lens: grouped_gemm(a, b, lens.cpu() - 10), ValueError, "non-negative"),
+        (lambda a, b, lens: grouped_gemm(a, b, lens * 2), ValueError, "sum to"),
+        (lambda a, b, lens: grouped_gemm(a, b, lens - 10), ValueError, "non-negative"),
         (
             lambda a, b, lens: grouped_gemm(a, b, lens, fuse_bgrad_accum_pattern="megatron"),
             ValueError,

@@ -130,4 +130,7 @@ def test_triton_variable_k_kernel(per_column):
     for g in range(5):
         left = lhs[bounds[g] : bounds[g + 1]].double() * (sl[g].double() if per_column else sl.double())
         right = rhs[bounds[g] : bounds[g + 1]].double() * (sr[g].double() if per_column else sr.double())
-        torch.testing.assert_close(out[g].double(), left.t() @ right, rtol=1e-5, atol=1e-5)
+        # Hopper's FP8 MMA adds products in a narrower accumulator (about 14 bits below the largest
+        # term) before each promotion to fp32, so the bound scales with the sum of |products|.
+        bound = (left.abs().t() @ right.abs()).max().item() * 2**-12 + 1e-6
+        torch.testing.assert_close(out[g].double(), left.t() @ right, rtol=0, atol=bound)
