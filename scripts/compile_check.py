@@ -287,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     attempt(
         "quantize fp8 tensorwise cast",
-        lambda: fp8q.scale_cast_fp8_triton(y, torch.empty(y.shape, dtype=e4m3), torch.empty(1)),
+        lambda: fp8q.tensorwise_cast_fp8_triton(
+            y, torch.empty(y.shape, dtype=e4m3), torch.empty(()), torch.empty(())
+        ),
     )
     attempt(
         "quantize fp4",

@@ -21,7 +21,7 @@ __all__ = [
     "e8m0_scale",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",
-    "scale_cast_fp8_triton",
+    "tensorwise_cast_fp8_triton",
 ]
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
@@ -173,13 +173,22 @@ def _quantize_dual_blocks_kernel(
 
 
 @triton.jit
-def _scale_cast_kernel(x_ptr, q_ptr, scale_ptr, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """q = saturate(x * scale) for a contiguous tensor and one scale read from device memory."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _tensorwise_cast_kernel(
+    x_ptr, q_ptr, amax_ptr, scale_inv_ptr, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):
+    """q = saturate(x * multiplier) for a contiguous tensor, the multiplier derived in every program from
+    the one tensor amax (``_group_scale``'s rules); program 0 also stores scale_inv. Deriving it here
+    instead of in torch saves a string of one-element launches per quantization."""
+    pid = tl.program_id(0)
+    amax = tl.load(amax_ptr)
+    bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
+    multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+    if pid == 0:
+        tl.store(scale_inv_ptr, stored)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    scale = tl.load(scale_ptr)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _saturate(x * scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + offs, _saturate(x * multiplier, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8_groups_triton(
@@ -258,12 +267,14 @@ def quantize_fp8_dual_blocks_triton(
     )
 
 
-def scale_cast_fp8_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """``q = saturate(x * scale)`` elementwise for contiguous ``x``/``q`` and a one-element fp32 ``scale``."""
+def tensorwise_cast_fp8_triton(
+    x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, scale_inv: torch.Tensor
+) -> None:
+    """``q = saturate(x * fp8_max / amax)`` elementwise for contiguous ``x``/``q`` and a one-element fp32
+    ``amax`` (the tensor's, NaN or inf when it holds such values); writes the one-element ``scale_inv``.
+    ``x`` must not be empty."""
     n = x.numel()
-    if n == 0:
-        return
     block = 4096
-    _scale_cast_kernel[(triton.cdiv(n, block),)](
-        x, q, scale, n, FP8_MAX=torch.finfo(q.dtype).max, BLOCK=block, num_warps=8
+    _tensorwise_cast_kernel[(triton.cdiv(n, block),)](
+        x, q, amax, scale_inv, n, FP8_MAX=torch.finfo(q.dtype).max, BLOCK=block, num_warps=8
     )

@@ -18,7 +18,7 @@ from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.triton.quantization import (
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
-    scale_cast_fp8_triton,
+    tensorwise_cast_fp8_triton,
 )
 from primus_turbo.triton.utils.device_info import triton_runs_on
 
@@ -114,10 +114,11 @@ def finish_tensorwise_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of a contiguous ``y`` from the per-row amax a fused producer wrote (NaN for
     rows holding NaN/inf): the tensorwise rules of ``quantize_fp8``, with one cast pass over ``y``."""
-    amax = row_amax.amax() if row_amax.numel() else torch.zeros((), device=y.device)
-    multiplier, scale_inv = _scales_from_amax(amax, fp8_dtype, mx=False)
     q = torch.empty(y.shape, dtype=fp8_dtype, device=y.device)
-    scale_cast_fp8_triton(y, q, multiplier.reshape(1))
+    if y.numel() == 0:
+        return q, torch.ones((), dtype=torch.float32, device=y.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=y.device)
+    tensorwise_cast_fp8_triton(y, q, row_amax.amax(), scale_inv)
     return q, scale_inv
 
 
@@ -191,13 +192,13 @@ def _quantize(
             amax = torch.zeros((), dtype=torch.float32, device=x.device)
         else:
             amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-        multiplier, scale_inv = _scales_from_amax(amax, out_dtype, mx=False)
-        if triton_path:
+        if triton_path and x.numel():
             q = torch.empty_like(x, dtype=out_dtype)
-            scale_cast_fp8_triton(x, q, multiplier.reshape(1))
-        else:
-            q = _saturate_cast(x.float() * multiplier, out_dtype)
-        return q, scale_inv
+            scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
+            tensorwise_cast_fp8_triton(x, q, amax, scale_inv)
+            return q, scale_inv
+        multiplier, scale_inv = _scales_from_amax(amax, out_dtype, mx=False)
+        return _saturate_cast(x.float() * multiplier, out_dtype), scale_inv
     groups = _groups(x.shape, granularity, block_size, axis, block_2d)
     mx = granularity == _MX
     moved = x.movedim(groups.axis, -1)
