@@ -94,8 +94,8 @@ def test_float8_linear_tracks_fp32(config, batch_shape):
 
 def test_float8_linear_compiles_forward_and_backward():
     torch._dynamo.reset()
-    layer = Float8Linear(64, 32, device=DEVICE, dtype=torch.bfloat16, config=FP8_CONFIGS[2])
-    x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    layer = Float8Linear(2 * FP8_BLOCK, 32, device=DEVICE, dtype=torch.bfloat16, config=FP8_CONFIGS[2])
+    x = torch.randn(4, 2 * FP8_BLOCK, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     compiled(x).float().sum().backward()
     grad_x, grad_w = x.grad.clone(), layer.weight.grad.clone()
