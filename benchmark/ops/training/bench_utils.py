@@ -53,7 +53,7 @@ def cuda_graph_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] 
 
 PAIRED_WINDOW_MS = 150.0  # device time each function gets in a paired measurement
 PAIRED_MAX_CALLS = 400
-GRAPH_REPLAY_MS = 0.5  # calls captured per graph so one replay lasts at least this long
+GRAPH_REPLAY_MS = 0.5  # calls captured per graph so that one replay lasts at least this long
 
 
 def _reset_grads(tensors: list[torch.Tensor] | None) -> None:
@@ -61,21 +61,17 @@ def _reset_grads(tensors: list[torch.Tensor] | None) -> None:
         t.grad = None
 
 
-def _captured(
-    fn: Callable[[], object], grads: list[torch.Tensor] | None, once_ms: float
-) -> tuple[torch.cuda.CUDAGraph, int]:
-    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` captured on the current stream, so one
-    replay lasts about ``GRAPH_REPLAY_MS`` and its launch cost is spread; returns (graph, calls).
+def _captured(fn: Callable[[], object], grads: list[torch.Tensor] | None, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` captured on the current stream.
 
     The current stream must be a side stream that also ran any forward whose backward ``fn`` runs:
     autograd replays a backward op on its forward's stream, which must be the capturing one."""
-    calls = max(1, math.ceil(GRAPH_REPLAY_MS / max(once_ms, 1e-3)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
         for _ in range(calls):
             _reset_grads(grads)
             fn()
-    return graph, calls
+    return graph
 
 
 def paired_cuda_timer(
@@ -87,7 +83,7 @@ def paired_cuda_timer(
     CUDA events, so clock, power and thermal drift reach all functions alike and the ratio of two
     medians does not depend on when each was measured. Eager mode (``graph=False``) flushes L2 before
     each call, and the host's launch cost counts where it exceeds the flush; ``graph=True`` replays
-    CUDA graphs (device time only, warm L2).
+    CUDA graphs (device time only, warm L2) and must run on a side stream (see ``_captured``).
     """
     once = []
     for fn in fns:
@@ -101,14 +97,14 @@ def paired_cuda_timer(
         end.synchronize()
         once.append(start.elapsed_time(end))
     if graph:
-        captured = [_captured(fn, grad_to_none, ms) for fn, ms in zip(fns, once, strict=True)]
-        runs = [g.replay for g, _ in captured]
-        calls = [n for _, n in captured]
+        # one count for every side, so each replay's own launch gap is spread over the same calls
+        calls = max(1, math.ceil(GRAPH_REPLAY_MS / max(min(once), 1e-3)))
+        runs = [_captured(fn, grad_to_none, calls).replay for fn in fns]
         cache = None
     else:
-        runs, calls = list(fns), [1] * len(fns)
+        runs, calls = list(fns), 1
         cache = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    longest = max(ms * n for ms, n in zip(once, calls, strict=True))
+    longest = max(once) * calls
     iters = min(PAIRED_MAX_CALLS, max(MIN_TIMED_CALLS, math.ceil(PAIRED_WINDOW_MS / max(longest, 1e-3))))
     events = [
         [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -125,7 +121,7 @@ def paired_cuda_timer(
             runs[i]()
             end.record()
     torch.cuda.synchronize()
-    return [statistics.median(s.elapsed_time(e) for s, e in events[i]) / calls[i] for i in range(len(fns))]
+    return [statistics.median(s.elapsed_time(e) for s, e in events[i]) / calls for i in range(len(fns))]
 
 
 def cpu_timer(
