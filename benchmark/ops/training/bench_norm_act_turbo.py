@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo.config
+import torch._functorch.config
 from tabulate import tabulate
 
 from benchmark.ops.training.bench_utils import cpu_timer, cuda_timer, platform_name

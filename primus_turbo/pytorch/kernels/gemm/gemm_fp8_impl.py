@@ -84,6 +84,9 @@ class HipblasltGemmFp8Backend(KernelBackend):
             return f"row-wise scaling writes bf16 only, not {out_dtype}"
         if granularity == _BLOCKWISE and (block_size != _SCALED_MM_BLOCK or a_2d or not b_2d):
             return "block scaling needs 1 x 128 blocks on a and 128 x 128 blocks on b"
+        if granularity == _BLOCKWISE and a.shape[1] % _SCALED_MM_BLOCK:
+            # cuBLASLt reads the scales of whole K blocks; a partial one gives wrong output, not an error
+            return f"block scaling needs K to be a multiple of {_SCALED_MM_BLOCK}, got K={a.shape[1]}"
         return None
 
     @staticmethod
