@@ -97,15 +97,20 @@ def _check_forward_backward(backend, granularity, m, n, k, trans_a, trans_b, fmt
         return
     try:
         out = gemm_fp8(a, b, trans_a, trans_b, config=_config(granularity, fmt))
-        out.backward(grad)
     except ValueError as exc:
         if "cannot handle" not in str(exc):
             raise
         pytest.skip(f"{backend.name} does not claim this case: {exc}")
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     ref_out, ref_a, ref_b = _reference(a, b, trans_a, trans_b, grad)
-    assert a.grad.shape == a.shape and b.grad.shape == b.shape
     assert compute_snr(ref_out, out) >= OUT_GATE[fmt]
+    try:
+        out.backward(grad)
+    except ValueError as exc:  # the forward is checked; a backward GEMM the pinned backend declines
+        if "cannot handle" not in str(exc):
+            raise
+        pytest.skip(f"{backend.name} does not claim a backward GEMM of this case: {exc}")
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
     assert compute_snr(ref_a, a.grad) >= GRAD_GATE[fmt]
     assert compute_snr(ref_b, b.grad) >= GRAD_GATE[fmt]
 
