@@ -9,21 +9,30 @@
 #   TEST_PATHS="..."    test paths (default tests), to split the suite over several device calls
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
-#   ROUNDS=n            alternating peer/turbo timing rounds per shape (default 3)
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
-#   TIMER=graph         time the bf16 GEMM benchmark from CUDA-graph replays (device time only)
+#   TIMER=graph         time the GEMM benchmarks from CUDA-graph replays (device time only)
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
 #                       (FP8_SHAPES, default quick)
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   GROUPED=1           also run the grouped GEMM benchmark (GROUPED_SHAPES, default quick)
+#   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
 SHAPES=${SHAPES:-quick}
 BENCH_SHARD=${BENCH_SHARD:-0/1}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
+# The device tool returns at most 8 files: on exit every log and CSV except env.txt and tests.log moves
+# into one archive, named per call so that several calls in one command keep theirs.
+pack() {
+  tar czf "$OUT/${PACK:-results-$$.tar.gz}" -C "$OUT" --exclude='*.tar.gz' --exclude=env.txt \
+    --exclude=tests.log --remove-files . 2>/dev/null
+  mkdir -p "$OUT"
+}
+trap pack EXIT
 # The device image's default g++ (/opt/gcc) links its own libstdc++ into extensions, which crashes when
 # torch formats error messages; the system compiler does not.
 if [ -x /usr/bin/g++ ]; then
@@ -61,30 +70,30 @@ if [ "${FP8:-0}" = 1 ]; then
   for granularity in tensorwise rowwise blockwise mxfp8; do
     timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp8 \
       --granularity "$granularity" --shapes "${FP8_SHAPES:-quick}" --backends "${FP8_BACKENDS:-HIPBLASLT,TRITON,AUTO}" \
-      --rounds "${ROUNDS:-3}" -o "$OUT/gemm_fp8_${granularity}.csv" 2>&1 | grep -v "it/s\]" \
+      --timer "${TIMER:-events}" -o "$OUT/gemm_fp8_${granularity}.csv" 2>&1 | grep -v "it/s\]" \
       | tee "$OUT/bench_fp8_${granularity}.log" || status=1
   done
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp4 \
-    --shapes "${FP8_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
+    --shapes "${FP8_SHAPES:-quick}" --timer "${TIMER:-events}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
     | tee "$OUT/bench_fp4.log" || status=1
 fi
 if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo \
-    --shapes "${NORM_ACT_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/norm_act.csv" 2>&1 \
+    --shapes "${NORM_ACT_SHAPES:-quick}" -o "$OUT/norm_act.csv" 2>&1 \
     | grep -v " INFO {" | tee "$OUT/bench_norm_act.log" || status=1
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo --fused-fp8 \
-    --shapes "${NORM_ACT_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
+    --shapes "${NORM_ACT_SHAPES:-quick}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
     | grep -v " INFO {" | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
-    --shapes "${GROUPED_SHAPES:-quick}" --rounds "${ROUNDS:-3}" -o "$OUT/grouped_gemm.csv" 2>&1 \
+    --shapes "${GROUPED_SHAPES:-quick}" -o "$OUT/grouped_gemm.csv" 2>&1 \
     | grep -v " INFO {" | tee "$OUT/bench_grouped_gemm.log" || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
   --num-shards "${BENCH_SHARD#*/}" --shard-id "${BENCH_SHARD%/*}" \
-  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --rounds "${ROUNDS:-3}" --timer "${TIMER:-events}" \
+  --backends "${BACKENDS:-HIPBLASLT,TRITON,AUTO}" --timer "${TIMER:-events}" \
   ${SKIP_CSV:+--skip-csv "$SKIP_CSV"} \
   -o "$OUT/gemm_${SHAPES}_${BENCH_SHARD%/*}.csv" 2>&1 | grep -v "it/s\]" \
   | tee "$OUT/bench_${SHAPES}_${BENCH_SHARD%/*}.log" || status=1

@@ -13,6 +13,8 @@ Per shape and backend label:
 - **Step**: forward + backward of ``gemm_fp8(a, w, trans_b=True)`` from bf16 inputs (every
   quantization included) against the bf16 ``torch.matmul`` forward + backward.
 - **Check**: SNR of the FP8 forward against the fp32 product; PASS at >= 25 dB.
+
+The GEMM, its peers and bf16 interleave call by call, and so do the two steps (``time_interleaved``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import triton
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import make_inputs
+from benchmark.ops.training.bench_utils import make_inputs, time_interleaved, timing_stream
 from benchmark.ops.training.config import GemmShape
 
 LOG = logging.getLogger("bench_gemm_fp8")
@@ -99,10 +101,6 @@ def scaled_mm_peer(qa, sa, qw, sw, config) -> Callable[[], torch.Tensor] | None:
     return lambda: torch._scaled_mm(qa, qw.t(), scale_a, scale_b, out_dtype=torch.bfloat16)
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 class _LowPrecisionCase:
     """What one benchmark row quantizes and multiplies: FP8 with a config, or MXFP4."""
 
@@ -149,7 +147,7 @@ class _LowPrecisionCase:
         return gemm_fp8(a, w, trans_b=True, config=self.config)
 
 
-def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, timer, env: Row) -> list[Row]:
+def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, env: Row) -> list[Row]:
     """One row per backend label for ``shape``."""
     from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 
@@ -181,30 +179,33 @@ def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, t
                     peer()
             except (RuntimeError, ValueError) as exc:  # this torch build has no kernel for the case
                 row["Peer"], peer = f"torch._scaled_mm unavailable: {str(exc).splitlines()[0]}"[:80], None
-            gemm_ms, peer_ms, bf16_ms = [], [], []
-            for _ in range(args.rounds):
-                if peer is not None:
-                    peer_ms.append(timer(peer, None))
-                bf16_ms.append(timer(lambda: torch.matmul(a.detach(), w.detach().t()), None))
-                gemm_ms.append(timer(low_precision_gemm, None))
-            row["GEMM ms"], row["BF16 ms"] = _median(gemm_ms), _median(bf16_ms)
-            row["GEMM TFLOPS"] = flops / row["GEMM ms"] / 1e9
-            row["BF16 TFLOPS"] = flops / row["BF16 ms"] / 1e9
-            row["Ratio vs bf16"] = row["BF16 ms"] / row["GEMM ms"]
+            graph = args.device == "cuda" and args.timer == "graph"
+            calls = [low_precision_gemm, lambda: torch.matmul(a.detach(), w.detach().t())]
+            with timing_stream(graph):
+                gemm_ms, bf16_ms, *peer_ms = time_interleaved(
+                    calls + ([peer] if peer is not None else []), None, args.device, graph
+                )
+                row["Quant ms"] = time_interleaved(
+                    [lambda: case.quantize(a.detach(), w.detach())], None, args.device, graph
+                )[0]
+
+                def step():
+                    case.forward(a, w).backward(grad)
+
+                def bf16_step():
+                    torch.matmul(a, w.t()).backward(grad)
+
+                row["Step ms"], row["BF16 Step ms"] = time_interleaved(
+                    [step, bf16_step], [a, w], args.device, graph
+                )
+            row["GEMM ms"], row["BF16 ms"] = gemm_ms, bf16_ms
+            row["GEMM TFLOPS"] = flops / gemm_ms / 1e9
+            row["BF16 TFLOPS"] = flops / bf16_ms / 1e9
+            row["Ratio vs bf16"] = bf16_ms / gemm_ms
             if peer_ms:
-                row["Peer ms"] = _median(peer_ms)
-                row["Peer TFLOPS"] = flops / row["Peer ms"] / 1e9
-                row["Ratio vs peer"] = row["Peer ms"] / row["GEMM ms"]
-            row["Quant ms"] = timer(lambda: case.quantize(a.detach(), w.detach()), None)
-
-            def step():
-                case.forward(a, w).backward(grad)
-
-            def bf16_step():
-                torch.matmul(a, w.t()).backward(grad)
-
-            row["Step ms"] = timer(step, [a, w])
-            row["BF16 Step ms"] = timer(bf16_step, [a, w])
+                row["Peer ms"] = peer_ms[0]
+                row["Peer TFLOPS"] = flops / peer_ms[0] / 1e9
+                row["Ratio vs peer"] = peer_ms[0] / gemm_ms
             row["Step ratio vs bf16"] = row["BF16 Step ms"] / row["Step ms"]
         except Exception as exc:  # report the row and keep benchmarking
             row["Check"] = "ERROR"
@@ -232,14 +233,14 @@ def summarize(rows: list[Row], labels: list[str]) -> list[list[Any]]:
     return lines
 
 
-def run(args: argparse.Namespace, shapes: list[GemmShape], labels: list[str], timer, env: Row) -> None:
+def run(args: argparse.Namespace, shapes: list[GemmShape], labels: list[str], env: Row) -> None:
     """Benchmark ``shapes``, write the CSV progressively and print the tables."""
     rows: list[Row] = []
     with open(args.output, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for shape in shapes:
-            for row in bench_shape(shape, labels, args, timer, env):
+            for row in bench_shape(shape, labels, args, env):
                 writer.writerow(row)
                 rows.append(row)
             f.flush()

@@ -24,14 +24,7 @@ import triton
 import triton.testing
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import (
-    cpu_timer,
-    cuda_graph_timer,
-    cuda_timer,
-    make_inputs,
-    paired_cuda_timer,
-    platform_name,
-)
+from benchmark.ops.training.bench_utils import make_inputs, platform_name, time_interleaved, timing_stream
 from benchmark.ops.training.config import SHAPE_SETS, GemmShape, gemm_shape_set
 
 try:
@@ -159,31 +152,25 @@ def time_against_peer(
     (dgrad + wgrad) of a graph built once.
 
     On a GPU peer and turbo calls interleave one by one (``paired_cuda_timer``), so drift in clocks
-    and power reaches both alike; on a CPU (smoke test) they run one after the other.
+    and power reaches both alike; on a CPU (smoke test) they run one after the other. In graph mode the
+    forwards whose backward is captured run on the capture's side stream too.
     """
-    if args.device == "cpu":
+    graph = args.device == "cuda" and args.timer == "graph"
+    with timing_stream(graph):
         with torch.no_grad():
-            fwd = [cpu_timer(lambda op=op: op(a, w)) for op in (turbo_op, matmul_op)]
-        outs = [op(a, w) for op in (turbo_op, matmul_op)]
-        bwd = [cpu_timer(lambda o=o: o.backward(grad_out, retain_graph=True), [a, w]) for o in outs]
-    else:
-        graph = args.timer == "graph"
-        # graph capture, and the forwards whose backward it captures, run on one side stream
-        stream = torch.cuda.Stream() if graph else torch.cuda.current_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            with torch.no_grad():
-                fwd = paired_cuda_timer([lambda: turbo_op(a, w), lambda: matmul_op(a, w)], graph=graph)
-            turbo_out, peer_out = turbo_op(a, w), matmul_op(a, w)
-            bwd = paired_cuda_timer(
-                [
-                    lambda: turbo_out.backward(grad_out, retain_graph=True),
-                    lambda: peer_out.backward(grad_out, retain_graph=True),
-                ],
-                [a, w],
-                graph=graph,
+            fwd = time_interleaved(
+                [lambda: turbo_op(a, w), lambda: matmul_op(a, w)], None, args.device, graph
             )
-        torch.cuda.current_stream().wait_stream(stream)
+        turbo_out, peer_out = turbo_op(a, w), matmul_op(a, w)
+        bwd = time_interleaved(
+            [
+                lambda: turbo_out.backward(grad_out, retain_graph=True),
+                lambda: peer_out.backward(grad_out, retain_graph=True),
+            ],
+            [a, w],
+            args.device,
+            graph,
+        )
     a.grad = w.grad = None
     return (fwd[0], bwd[0]), (fwd[1], bwd[1])
 
@@ -290,9 +277,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-shards", type=int, default=1, help="split the shape list into this many shards")
     p.add_argument("--shard-id", type=int, default=0, help="shard to run, 0 <= id < --num-shards")
     p.add_argument(
-        "--rounds", type=int, default=3, help="fp8/fp4: alternating peer/turbo timing rounds per row (median)"
-    )
-    p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test with wall-clock timing"
     )
     p.add_argument(
@@ -325,9 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         from benchmark.ops.training import bench_gemm_fp8
 
         torch.manual_seed(0)
-        timer = cuda_graph_timer if args.timer == "graph" else cuda_timer
-        timer = cpu_timer if args.device == "cpu" else timer
-        bench_gemm_fp8.run(args, shapes, ["TORCH"] if args.dtype == "fp4" else backends, timer, env)
+        bench_gemm_fp8.run(args, shapes, ["TORCH"] if args.dtype == "fp4" else backends, env)
         return
     LOG.info("%d shapes x %d backends on %s, %s", len(shapes), len(backends), env["Platform"], args.dtype)
     torch.manual_seed(0)

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import logging
-import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import cpu_timer, cuda_timer, platform_name
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved
 from benchmark.ops.training.config import MOE_MODELS, MoEModelConfig
 
 LOG = logging.getLogger("bench_grouped_gemm_turbo")
@@ -76,15 +77,20 @@ def group_lens(case: Case, device: str) -> torch.Tensor:
     return lens.to(device)
 
 
-def timed(fn, a: torch.Tensor, b: torch.Tensor, timer) -> tuple[float, float]:
-    """(forward ms, backward ms) of ``fn(a, b)``."""
+def time_fwd_bwd(
+    fns: dict[str, Callable], a: torch.Tensor, b: torch.Tensor, device: str
+) -> dict[str, tuple[float, float]]:
+    """(forward ms, backward ms) of each ``fn(a, b)``, the functions interleaved call by call; every
+    backward gets the same output gradient."""
+    names = list(fns)
     with torch.no_grad():
-        fwd = timer(lambda: fn(a, b), None)
-    out = fn(a, b)
-    grad = torch.randn_like(out)
-    bwd = timer(lambda: out.backward(grad, retain_graph=True), [a, b])
+        fwd = time_interleaved([functools.partial(fns[n], a, b) for n in names], None, device)
+    outs = [fns[n](a, b) for n in names]
+    grad = torch.randn_like(outs[0])
+    backwards = [functools.partial(out.backward, grad, retain_graph=True) for out in outs]
+    bwd = time_interleaved(backwards, [a, b], device)
     a.grad = b.grad = None
-    return fwd, bwd
+    return {name: (f, bw) for name, f, bw in zip(names, fwd, bwd, strict=True)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
     p.add_argument("--backends", default="TRITON,TORCH,AUTO")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("-o", "--output", default="bench_grouped_gemm.csv")
     args = p.parse_args(argv)
@@ -102,7 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import GroupedGemmDispatcher
     from primus_turbo.pytorch.ops import grouped_gemm
 
-    timer = cpu_timer if args.device == "cpu" else cuda_timer
     labels = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
     rows = []
     for case in cases(args.shapes):
@@ -138,14 +142,9 @@ def main(argv: list[str] | None = None) -> None:
                 row["Selected"] = GroupedGemmDispatcher.last_selected().name
                 err = ((out.float() - reference).norm() / reference.norm()).item()
                 row["Check"] = "PASS" if err < 1e-2 else f"FAIL {err:.1e}"
-                samples = {"turbo": [], "peer": [], "loop": []}
-                for _ in range(args.rounds):
-                    samples["peer"].append(timed(peer, a, b, timer))
-                    samples["loop"].append(timed(loop, a, b, timer))
-                    samples["turbo"].append(timed(turbo, a, b, timer))
-                for key, values in samples.items():
-                    row[f"{key} fwd ms"] = statistics.median(v[0] for v in values)
-                    row[f"{key} bwd ms"] = statistics.median(v[1] for v in values)
+                times = time_fwd_bwd({"turbo": turbo, "peer": peer, "loop": loop}, a, b, args.device)
+                for key, (fwd_ms, bwd_ms) in times.items():
+                    row[f"{key} fwd ms"], row[f"{key} bwd ms"] = fwd_ms, bwd_ms
                 row["Fwd TFLOPS"] = flops / row["turbo fwd ms"] / 1e9
                 row["Bwd TFLOPS"] = 2 * flops / row["turbo bwd ms"] / 1e9
                 for direction in ("fwd", "bwd"):

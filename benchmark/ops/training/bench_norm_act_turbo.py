@@ -18,7 +18,6 @@ import csv
 import functools
 import logging
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import cpu_timer, cuda_timer, platform_name
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved
 from benchmark.ops.training.config import DEEPSEEK_V3, DENSE_MODELS, MOE_MODELS
 
 LOG = logging.getLogger("bench_norm_act_turbo")
@@ -127,21 +126,25 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def time_op(fn: Callable, args: tuple[torch.Tensor, ...], timer) -> tuple[float, float]:
-    """(forward ms, backward ms) of ``fn(*args)``; backward of the first output with a fixed gradient."""
+def time_ops(fns: list[Callable], args: tuple[torch.Tensor, ...], device: str) -> list[tuple[float, float]]:
+    """(forward ms, backward ms) of each ``fn(*args)``, the functions interleaved call by call; each
+    backward runs from the first output with one fixed gradient."""
     with torch.no_grad():
-        fwd = timer(lambda: fn(*args), None)
-    out = _first(fn(*args))
-    grad = torch.randn_like(out)
-    bwd = timer(lambda: out.backward(grad, retain_graph=True), list(args))
-    return fwd, bwd
+        fwd = time_interleaved([functools.partial(fn, *args) for fn in fns], None, device)
+    outs = [_first(fn(*args)) for fn in fns]
+    grad = torch.randn_like(outs[0])
+    backwards = [functools.partial(out.backward, grad, retain_graph=True) for out in outs]
+    bwd = time_interleaved(backwards, list(args), device)
+    for t in args:
+        t.grad = None
+    return list(zip(fwd, bwd, strict=True))
 
 
-def copy_bandwidth(device: str, timer) -> float:
+def copy_bandwidth(device: str) -> float:
     """GB/s of a 1 GiB device-to-device copy (read + write), the ceiling for memory-bound kernels."""
     src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src), None)
+    (ms,) = time_interleaved([lambda: dst.copy_(src)], None, device)
     return 2 * COPY_BYTES / ms / 1e6
 
 
@@ -195,7 +198,7 @@ def _fused_callables(base: str, tensors: tuple[torch.Tensor, ...], name: str) ->
     return fused, unfused, composite
 
 
-def fused_rows(case: Case, args: argparse.Namespace, timer) -> list[dict]:
+def fused_rows(case: Case, args: argparse.Namespace) -> list[dict]:
     """Forward time of each fused FP8 producer against its unfused and compiled peers."""
     base = "rmsnorm" if case.op == "rmsnorm" else "swiglu"
     tensors = tuple(t.detach() for t in inputs(case, args.device)[0])
@@ -204,13 +207,9 @@ def fused_rows(case: Case, args: argparse.Namespace, timer) -> list[dict]:
         if name == "blockwise" and case.hidden % 128:
             continue
         fused, unfused, composite = _fused_callables(base, tensors, name)
-        samples: dict[str, list[float]] = {"fused": [], "unfused": [], "compiled": []}
-        for _ in range(args.rounds):
-            with torch.no_grad():
-                samples["compiled"].append(timer(composite, None))
-                samples["unfused"].append(timer(unfused, None))
-                samples["fused"].append(timer(fused, None))
-        ms = {k: statistics.median(v) for k, v in samples.items()}
+        with torch.no_grad():
+            times = time_interleaved([fused, unfused, composite], None, args.device)
+        ms = dict(zip(("fused", "unfused", "compiled"), times, strict=True))
         row = {"Model": case.model, "Op": f"{base}_fp8", "Granularity": name, "Tokens": case.tokens}
         row.update({"Hidden": case.hidden, "Fused ms": ms["fused"], "Unfused ms": ms["unfused"]})
         row.update({"Compiled ms": ms["compiled"], "vs unfused": ms["unfused"] / ms["fused"]})
@@ -224,24 +223,22 @@ def main(argv: list[str] | None = None) -> None:
     """Run every case, write the CSV and print the table and summary."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--fused-fp8", action="store_true", help="time the fused FP8 producers instead")
     p.add_argument("-o", "--output", default="bench_norm_act.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    timer = cpu_timer if args.device == "cpu" else cuda_timer
     # The compiled peers' backward is timed repeatedly on one graph (retain_graph), which donated
     # buffers forbid; and each case compiles its own composite, more than dynamo's default 8 per frame.
     torch._functorch.config.donated_buffer = False
     torch._dynamo.config.recompile_limit = 256
-    copy_gbs = copy_bandwidth(args.device, timer) if args.device == "cuda" else float("nan")
+    copy_gbs = copy_bandwidth(args.device) if args.device == "cuda" else float("nan")
     LOG.info("device copy bandwidth %.0f GB/s on %s", copy_gbs, platform_name(args.device))
     rows = []
     if args.fused_fp8:
         for case in cases(args.shapes):
             if case.op in ("rmsnorm", "swiglu"):
-                rows += fused_rows(case, args, timer)
+                rows += fused_rows(case, args)
         columns = ["Model", "Op", "Granularity", "Tokens", "Hidden", "vs unfused", "vs compiled"]
         print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
         _write_csv(args.output, rows)
@@ -250,15 +247,10 @@ def main(argv: list[str] | None = None) -> None:
         fn, ref = _turbo(case.op), REFERENCES[case.op]
         compiled = torch.compile(ref)
         tensors, fwd_bytes, bwd_bytes = inputs(case, args.device)
-        turbo_t, eager_t, compiled_t = [], [], []
-        for _ in range(args.rounds):
-            eager_t.append(time_op(ref, tensors, timer))
-            compiled_t.append(time_op(compiled, tensors, timer))
-            turbo_t.append(time_op(fn, tensors, timer))
         row = {"Model": case.model, "Op": case.op, "Tokens": case.tokens, "Hidden": case.hidden}
-        for label, samples in (("Turbo", turbo_t), ("Eager", eager_t), ("Compiled", compiled_t)):
-            row[f"{label} fwd ms"] = statistics.median(s[0] for s in samples)
-            row[f"{label} bwd ms"] = statistics.median(s[1] for s in samples)
+        times = time_ops([fn, ref, compiled], tensors, args.device)
+        for label, (fwd_ms, bwd_ms) in zip(("Turbo", "Eager", "Compiled"), times, strict=True):
+            row[f"{label} fwd ms"], row[f"{label} bwd ms"] = fwd_ms, bwd_ms
         for direction, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
             gbs = nbytes / row[f"Turbo {direction} ms"] / 1e6
             row[f"{direction} GB/s"] = gbs

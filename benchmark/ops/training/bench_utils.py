@@ -2,56 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import triton
-import triton.testing
 
 from benchmark.ops.training.config import GemmShape
 
 __all__ = [
-    "MIN_TIMED_CALLS",
     "cpu_timer",
-    "cuda_graph_timer",
-    "cuda_timer",
     "make_inputs",
     "paired_cuda_timer",
     "platform_name",
+    "time_interleaved",
+    "timing_stream",
 ]
 
 
-MIN_TIMED_CALLS = 20  # long GEMMs get a longer timing window so their median has this many samples
-
-
-def cuda_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
-    """Median milliseconds of ``fn`` from CUDA events; triton flushes L2 before every timed call.
-
-    The window is at least 100 ms and at least ``MIN_TIMED_CALLS`` calls, so multi-millisecond GEMMs
-    are not judged on a handful of samples.
-    """
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    rep = max(100.0, MIN_TIMED_CALLS * start.elapsed_time(end))
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
-
-
-def cuda_graph_timer(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
-    """Median milliseconds of ``fn`` replayed from a CUDA graph: device time only, without the host's
-    per-call launch and dispatch cost (and without an L2 flush between calls)."""
-    fn()  # any first-call tuning and compilation happens outside the capture
-    return triton.testing.do_bench_cudagraph(fn, rep=100, grad_to_none=grad_to_none, return_mode="median")
-
-
 PAIRED_WINDOW_MS = 150.0  # device time each function gets in a paired measurement
+MIN_TIMED_CALLS = 20  # long calls get a longer window so that each median has this many samples
 PAIRED_MAX_CALLS = 400
 GRAPH_REPLAY_MS = 0.5  # calls captured per graph so that one replay lasts at least this long
 
@@ -122,6 +95,34 @@ def paired_cuda_timer(
             end.record()
     torch.cuda.synchronize()
     return [statistics.median(s.elapsed_time(e) for s, e in events[i]) / calls for i in range(len(fns))]
+
+
+@contextlib.contextmanager
+def timing_stream(graph: bool) -> Iterator[None]:
+    """Run the block on a side stream for graph timing (the capture, and any forward whose backward is
+    captured, must share it); on the current stream otherwise."""
+    if not graph:
+        yield
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], object]],
+    grad_to_none: list[torch.Tensor] | None = None,
+    device: str = "cuda",
+    graph: bool = False,
+) -> list[float]:
+    """Milliseconds per call of each function, measured together: ``paired_cuda_timer`` on a GPU, one
+    after the other with ``cpu_timer`` on a CPU (smoke tests). With ``graph``, call it inside
+    ``timing_stream(True)``."""
+    if device == "cpu":
+        return [cpu_timer(fn, grad_to_none) for fn in fns]
+    return paired_cuda_timer(fns, grad_to_none, graph)
 
 
 def cpu_timer(
