@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["PRIMUS_TURBO_TRITON_AUTOTUNE"] = "0"  # launchers pick their config on the host: no timing runs
@@ -56,6 +59,23 @@ def _capture(self, key, signature, device, constexprs, options, attrs, warmup):
     _requests.append((self, signature, constexprs, options, attrs))
 
 
+def _resources(kernel) -> str:
+    """``, N registers, S B spilled`` from the cubin's resource usage (cuobjdump), or "" without it."""
+    cubin = kernel.asm.get("cubin")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not cubin or not os.path.exists(cuobjdump):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True)
+    regs = re.search(r"REG:(\d+)", usage.stdout)
+    stack = re.search(r"STACK:(\d+)", usage.stdout)
+    if regs is None:
+        return ""
+    return f", {regs.group(1)} registers, {stack.group(1) if stack else '?'} B stack"
+
+
 def _compile_requests(label: str) -> bool:
     ok = True
     while _requests:
@@ -64,7 +84,7 @@ def _compile_requests(label: str) -> bool:
             kernel = triton.compile(
                 ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__
             )
-            print(f"[OK]   {label}: shared memory {kernel.metadata.shared} B", flush=True)
+            print(f"[OK]   {label}: shared memory {kernel.metadata.shared} B{_resources(kernel)}", flush=True)
         except Exception as exc:  # report every failure, keep going
             ok = False
             print(
