@@ -219,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
             flags = dict(
                 A_MODE=modes[0], B_MODE=modes[1], PER_BLOCK=per_block, SCALE_BLOCK=128 if per_block else 0
             )
-            flags.update(ACCUMULATE=False, DTYPES="fp8", USE_TMA=use_tma, NUM_SMS=132, **config.all_kwargs())
+            flags.update(ACCUMULATE=False, DTYPES="fp8", USE_TMA=use_tma, TMA_STORE=use_tma, NUM_SMS=132)
+            flags.update(config.all_kwargs())
+            tile = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]]
+            c = TensorDescriptor(out, out.shape, out.stride(), tile) if use_tma else out
             attempt(
                 f"gemm fp8 tma={use_tma} modes={modes} {_label(config)}",
-                lambda operands=operands, out=out, sa=sa, sb=sb, launch_args=launch_args, flags=flags: (
-                    fp8._gemm_fp8_kernel.fn[(132,)](*operands, out, sa, sb, *launch_args, **flags)
+                lambda operands=operands, c=c, sa=sa, sb=sb, launch_args=launch_args, flags=flags: (
+                    fp8._gemm_fp8_kernel.fn[(132,)](*operands, c, sa, sb, *launch_args, **flags)
                 ),
             )
     groups, tokens = 8, 4096

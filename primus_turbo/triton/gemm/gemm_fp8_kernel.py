@@ -71,6 +71,8 @@ def _set_block_shapes(nargs: dict) -> None:
     if nargs["USE_TMA"]:
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs["TMA_STORE"]:
+        nargs["c_ptr"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_N"]]
 
 
 def _fp8_smem_bytes(config: triton.Config, out_bytes: int) -> int:
@@ -92,7 +94,8 @@ def _usable(configs: list[triton.Config], scale_block: int, out: torch.Tensor) -
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    return _usable(configs, int(kwargs.get("SCALE_BLOCK", 0)), named_args["c_ptr"])
+    out = named_args["c_ptr"]
+    return _usable(configs, int(kwargs.get("SCALE_BLOCK", 0)), out.base if kwargs.get("TMA_STORE") else out)
 
 
 # The launch arguments of the config the autotuner chose, per problem; later calls with the same problem
@@ -124,7 +127,7 @@ def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, 
 
 @triton.autotune(
     configs=_configs(),
-    key=["M", "N", "K", "A_MODE", "B_MODE", "SCALE_BLOCK", "ACCUMULATE", "DTYPES", "USE_TMA"],
+    key=["M", "N", "K", "A_MODE", "B_MODE", "SCALE_BLOCK", "ACCUMULATE", "DTYPES", "USE_TMA", "TMA_STORE"],
     prune_configs_by={"early_config_prune": _prune},
     pre_hook=_keep_output.save,
     post_hook=_keep_output.restore,
@@ -154,6 +157,7 @@ def _gemm_fp8_kernel(
     ACCUMULATE: tl.constexpr,
     DTYPES: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -198,11 +202,17 @@ def _gemm_fp8_kernel(
             sa = _load_scales(a_scale_ptr, rows_m, m_ok, 0, stride_as_r, stride_as_k, A_MODE, SCALE_BLOCK)
             sb = _load_scales(b_scale_ptr, rows_n, n_ok, 0, stride_bs_r, stride_bs_k, B_MODE, SCALE_BLOCK)
             acc = acc * (sa[:, None] * sb[None, :])
-        c_ptrs = c_ptr + rows_m[:, None] * stride_cm + rows_n[None, :] * stride_cn
-        c_mask = m_ok[:, None] & n_ok[None, :]
-        if ACCUMULATE:
-            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        if TMA_STORE:
+            # through shared memory: no (BLOCK_M, BLOCK_N) tensor of 64-bit addresses in registers
+            if ACCUMULATE:
+                acc += c_ptr.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
+            c_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype))
+        else:
+            c_ptrs = c_ptr + rows_m[:, None] * stride_cm + rows_n[None, :] * stride_cn
+            c_mask = m_ok[:, None] & n_ok[None, :]
+            if ACCUMULATE:
+                acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def gemm_fp8_triton(
@@ -235,6 +245,12 @@ def gemm_fp8_triton(
         use_tma = supports_tma(out.device) and all(
             t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
         )
+    tma_store = (
+        use_tma
+        and out.stride(1) == 1
+        and (out.stride(0) * out.element_size()) % 16 == 0
+        and out.data_ptr() % 16 == 0
+    )
 
     def strides(scale: torch.Tensor) -> tuple[int, int]:
         return (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
@@ -252,8 +268,8 @@ def gemm_fp8_triton(
     )
     flags = dict(A_MODE=a_mode, B_MODE=b_mode, PER_BLOCK=a_mode >= SCALE_BLOCKS or b_mode >= SCALE_BLOCKS)
     flags.update(SCALE_BLOCK=scale_block, ACCUMULATE=accumulate, DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}")
-    flags.update(USE_TMA=use_tma, NUM_SMS=sms)
-    key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], use_tma, out.device)
+    flags.update(USE_TMA=use_tma, TMA_STORE=tma_store, NUM_SMS=sms)
+    key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], use_tma, tma_store, out.device)
     chosen = _chosen.get(key)
     if chosen is None and not kernel_autotune_enabled():
         config = _usable(_gemm_fp8_kernel.configs, scale_block, out)[0]
@@ -265,11 +281,12 @@ def gemm_fp8_triton(
             if use_tma
             else (a, b)
         )
+        c = TensorDescriptor.from_tensor(out, placeholder) if tma_store else out
 
         def grid(meta: dict) -> tuple[int]:
             return (min(sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
 
-        _gemm_fp8_kernel[grid](*operands, out, a_scale, b_scale, *args, **flags)
+        _gemm_fp8_kernel[grid](*operands, c, a_scale, b_scale, *args, **flags)
         best = _gemm_fp8_kernel.best_config
         _chosen[key] = (best, {**flags, **best.all_kwargs()})
         return out
@@ -282,6 +299,7 @@ def gemm_fp8_triton(
         )
     else:
         operands = (a, b)
+    c = TensorDescriptor(out, out.shape, out.stride(), [bm, bn]) if tma_store else out
     grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
-    _gemm_fp8_kernel.fn[grid](*operands, out, a_scale, b_scale, *args, **launch_kwargs)
+    _gemm_fp8_kernel.fn[grid](*operands, c, a_scale, b_scale, *args, **launch_kwargs)
     return out
