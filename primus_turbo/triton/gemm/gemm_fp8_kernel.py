@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
-from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
+from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
     kernel_autotune_enabled,
@@ -131,6 +131,7 @@ def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, 
     prune_configs_by={"early_config_prune": _prune},
     pre_hook=_keep_output.save,
     post_hook=_keep_output.restore,
+    do_bench=tuning_bench,
 )
 @triton.jit(do_not_specialize=["M"])
 def _gemm_fp8_kernel(

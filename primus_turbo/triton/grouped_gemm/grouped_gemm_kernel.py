@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput
+from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
 __all__ = [
@@ -34,7 +34,13 @@ def _configs() -> list[triton.Config]:
     elif torch.version.hip is not None:
         shapes = [(256, 256, 64, 2, 8), (128, 128, 64, 2, 4), (64, 128, 64, 2, 4)]
     else:
-        shapes = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)]
+        shapes = [
+            (128, 256, 64, 3, 8),
+            (128, 128, 64, 4, 8),
+            (128, 128, 64, 4, 4),
+            (64, 128, 64, 4, 4),
+            (128, 128, 32, 4, 4),
+        ]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w)
         for bm, bn, bk, s, w in shapes
@@ -205,11 +211,13 @@ _grouped_gemm_kernel = triton.autotune(
     configs=_configs(),
     key=["N", "K", "G", "DTYPES", "TRANS_B"],
     prune_configs_by={"early_config_prune": _prune},
+    do_bench=tuning_bench,
 )(_grouped_gemm_jit)
 _grouped_gemm_fp8_kernel = triton.autotune(
     configs=_fp8_configs(),
     key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE"],
     prune_configs_by={"early_config_prune": _prune},
+    do_bench=tuning_bench,
 )(_grouped_gemm_jit)
 _grouped_gemm_variable_k_kernel = triton.autotune(
     configs=_configs(),
@@ -217,11 +225,13 @@ _grouped_gemm_variable_k_kernel = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
     pre_hook=_keep_output.save,
     post_hook=_keep_output.restore,
+    do_bench=tuning_bench,
 )(_grouped_variable_k_jit)
 _grouped_gemm_fp8_variable_k_kernel = triton.autotune(
     configs=_fp8_configs(),
     key=["P", "Q", "G", "DTYPES", "PER_COLUMN"],
     prune_configs_by={"early_config_prune": _prune},
+    do_bench=tuning_bench,
 )(_grouped_variable_k_jit)
 
 
