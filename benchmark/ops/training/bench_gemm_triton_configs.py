@@ -1,17 +1,21 @@
 """Time every Triton GEMM config on chosen shapes and layouts, next to torch.matmul.
 
 A tuning aid: it shows which tile shapes win where, so the autotune config lists stay short and
-complete. Each config runs outside the autotuner (``gemm_triton(..., config=...)``).
+complete. Each config runs outside the autotuner (``gemm_triton(..., config=...)``). With ``--fp8`` it
+sweeps the FP8 GEMM kernel (its autotune configs plus ``FP8_CANDIDATES``) on operands quantized as
+``gemm_fp8``'s forward quantizes them, next to ``torch._scaled_mm`` on the same operands.
 
 Example::
 
     python -m benchmark.ops.training.bench_gemm_triton_configs --mnk 4096x576x7168 --layouts NT,NN
+    python -m benchmark.ops.training.bench_gemm_triton_configs --mnk 8192x8192x8192 --fp8 blockwise
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import logging
 
 import torch
@@ -23,6 +27,16 @@ from benchmark.ops.training.bench_gemm_layouts import LAYOUTS, operands
 from benchmark.ops.training.config import SHAPE_SETS, gemm_shape_set
 
 LOG = logging.getLogger("bench_gemm_triton_configs")
+
+# FP8 tiles worth timing beyond the autotune list: (BLOCK_M, BLOCK_N, stages, warps), BLOCK_K 128
+FP8_CANDIDATES = [
+    (128, 128, 3, 8),
+    (128, 128, 5, 8),
+    (256, 128, 3, 8),
+    (128, 256, 4, 8),
+    (64, 256, 4, 4),
+    (128, 128, 4, 4),
+]
 
 
 def config_label(config: triton.Config) -> str:
@@ -47,6 +61,75 @@ def parse_mnk(text: str) -> list[tuple[str, int, int, int]]:
     return shapes
 
 
+def fp8_candidates(granularity: str) -> list[tuple[str, triton.Config | None]]:
+    """("autotuned", None), then the FP8 kernel's configs and ``FP8_CANDIDATES``, labelled."""
+    from primus_turbo.triton.gemm.gemm_fp8_kernel import kernel_configs
+
+    configs = kernel_configs() + [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in FP8_CANDIDATES
+    ]
+    seen, labelled = set(), [("autotuned", None)]
+    for config in configs:
+        label = config_label(config)
+        if label not in seen:
+            seen.add(label)
+            labelled.append((label, config))
+    return labelled
+
+
+def fp8_runs(m: int, n: int, k: int, granularity: str, device: str = "cuda"):
+    """(reference, peer call, run(config) -> out) for an FP8 NT GEMM quantized like ``gemm_fp8``."""
+    from benchmark.ops.training.bench_gemm_fp8 import quant_config, quantize_operands, scaled_mm_peer
+    from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import _triton_mode
+    from primus_turbo.triton.gemm.gemm_fp8_kernel import gemm_fp8_triton
+
+    config = quant_config(granularity)
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
+    qa, sa, qw, sw, w_2d = quantize_operands(a, w, config)
+    reference = a.float() @ w.float().t()
+    peer = scaled_mm_peer(qa, sa, qw, sw, config)
+    gran = config.granularity.value
+    a_mode, b_mode = _triton_mode(gran, False), _triton_mode(gran, w_2d)
+    block = config.block_size if granularity == "blockwise" else 0
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+
+    def run(kernel_config):
+        return gemm_fp8_triton(
+            qa, sa.float(), a_mode, qw, sw.float(), b_mode, out, block, config=kernel_config
+        )
+
+    return reference, peer, run
+
+
+def sweep_fp8(shapes, granularity: str) -> list[dict]:
+    """One row per (shape, FP8 config): time, TFLOP/s, SNR check and the ratio to torch._scaled_mm."""
+    rows = []
+    for name, m, n, k in shapes:
+        reference, peer, run = fp8_runs(m, n, k, granularity)
+        flops = 2 * m * n * k
+        peer_ms = median_ms(peer) if peer is not None else float("nan")
+        for label, config in fp8_candidates(granularity):
+            try:
+                out = run(config)
+                snr = 10 * torch.log10(reference.pow(2).sum() / (reference - out.float()).pow(2).sum()).item()
+                ms = median_ms(functools.partial(run, config))
+            except Exception as exc:  # a config that does not fit this device
+                LOG.info("%s %s: %s", name, label, str(exc).splitlines()[0][:100])
+                continue
+            row = {"Shape": name, "M": m, "N": n, "K": k, "Granularity": granularity, "Config": label}
+            row.update(Check="PASS" if snr >= 25 else f"FAIL {snr:.1f} dB", us=ms * 1e3)
+            row.update(TFLOPS=flops / ms / 1e9, Peer_TFLOPS=flops / peer_ms / 1e9, Ratio=peer_ms / ms)
+            rows.append(row)
+        best = max((r for r in rows if r["Shape"] == name), key=lambda r: r["TFLOPS"], default=None)
+        if best:
+            LOG.info(
+                "%s best %s %.0f TFLOP/s, ratio %.3f", name, best["Config"], best["TFLOPS"], best["Ratio"]
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Sweep configs per (shape, layout) and print the ranking with the peer's time."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mnk", default=None, help="explicit shapes, e.g. 4096x576x7168,8192x4096x4096")
     p.add_argument("--layouts", default="NT")
     p.add_argument("--pointer", action="store_true", help="sweep the pointer kernel instead of TMA")
+    p.add_argument(
+        "--fp8",
+        choices=("tensorwise", "rowwise", "blockwise"),
+        default=None,
+        help="sweep the FP8 GEMM kernel with this scaling instead (NT layout)",
+    )
     p.add_argument("-o", "--output", default="bench_gemm_triton_configs.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -64,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.shapes:
         shapes += [(f"{s.model} {s.gemm}", s.M, s.N, s.K) for s in gemm_shape_set(args.shapes)]
     use_tma = not args.pointer
-    rows = []
-    for name, m, n, k in shapes:
+    rows = sweep_fp8(shapes, args.fp8) if args.fp8 else []
+    for name, m, n, k in [] if args.fp8 else shapes:
         for layout in args.layouts.split(","):
             trans_a, trans_b = LAYOUTS[layout]
             a, b = operands(m, n, k, trans_a, trans_b)

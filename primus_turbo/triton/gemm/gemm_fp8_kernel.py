@@ -31,6 +31,7 @@ __all__ = [
     "SCALE_ROW",
     "SCALE_TENSOR",
     "gemm_fp8_triton",
+    "kernel_configs",
     "supported_scale_blocks",
 ]
 
@@ -101,6 +102,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 # The launch arguments of the config the autotuner chose, per problem; later calls with the same problem
 # launch the compiled kernel directly, without the autotuner's per-call host work.
 _chosen: dict[tuple, tuple[triton.Config, dict]] = {}
+
+
+def kernel_configs() -> list[triton.Config]:
+    """The autotune configs of the FP8 GEMM kernel, in priority order."""
+    return list(_gemm_fp8_kernel.configs)
 
 
 def supported_scale_blocks() -> frozenset[int]:
@@ -227,13 +233,15 @@ def gemm_fp8_triton(
     scale_block: int = 0,
     accumulate: bool = False,
     use_tma: bool | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """Write ``(a * a_scale) @ (b * b_scale)^T`` into ``out`` (``+=`` when ``accumulate``).
 
     ``a`` (M, K) and ``b`` (N, K) are FP8 with unit stride along K. Scales are fp32 tensors: 0-d (mode
     0), (rows, 1) (mode 1), (rows, K / scale_block) (mode 2) or (rows / scale_block, K / scale_block)
     (mode 3), any strides. ``use_tma=None`` reads through TMA descriptors wherever the GPU and the
-    operands' alignment allow it.
+    operands' alignment allow it. ``config`` bypasses the autotuner with one config (``kernel_configs()``
+    or any other with BLOCK_M/N/K and GROUP_M), for tests and tuning sweeps.
     """
     m, n = out.shape
     k = a.shape[1]
@@ -271,7 +279,7 @@ def gemm_fp8_triton(
     flags.update(SCALE_BLOCK=scale_block, ACCUMULATE=accumulate, DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}")
     flags.update(USE_TMA=use_tma, TMA_STORE=tma_store, NUM_SMS=sms)
     key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], use_tma, tma_store, out.device)
-    chosen = _chosen.get(key)
+    chosen = _chosen.get(key) if config is None else (config, {**flags, **config.all_kwargs()})
     if chosen is None and not kernel_autotune_enabled():
         config = _usable(_gemm_fp8_kernel.configs, scale_block, out)[0]
         chosen = _chosen[key] = (config, {**flags, **config.all_kwargs()})
