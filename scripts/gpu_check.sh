@@ -13,6 +13,8 @@
 #   TIMER=graph         time the GEMM benchmarks from CUDA-graph replays (device time only)
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
 #                       (FP8_SHAPES, default quick)
+#   FP8_SWEEP=blockwise time every FP8 GEMM kernel config (tensorwise|rowwise|blockwise) on FP8_SWEEP_MNK
+#                       (default 8192x8192x8192) next to torch._scaled_mm
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   GROUPED=1           also run the grouped GEMM benchmark (GROUPED_SHAPES, default quick)
@@ -76,6 +78,11 @@ if [ "${FP8:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp4 \
     --shapes "${FP8_SHAPES:-quick}" --timer "${TIMER:-events}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
     | tee "$OUT/bench_fp4.log" || status=1
+fi
+if [ -n "${FP8_SWEEP:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_triton_configs \
+    --mnk "${FP8_SWEEP_MNK:-8192x8192x8192}" --fp8 "$FP8_SWEEP" -o "$OUT/fp8_configs_${FP8_SWEEP}.csv" 2>&1 \
+    | tee "$OUT/fp8_configs_${FP8_SWEEP}.log" || status=1
 fi
 if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo \
