@@ -55,6 +55,7 @@ def _tma_configs() -> list[triton.Config]:
             (128, 256, 64, 8, 4, 8, True, True),
             (128, 128, 64, 8, 4, 8, True, True),
             (128, 128, 64, 8, 5, 4, False, True),
+            (128, 64, 64, 8, 5, 4, False, True),
             # fp32 operands, and fp32 accumulation into an existing output
             (128, 128, 32, 8, 3, 8, True, False),
         ]
