@@ -262,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
     attempt("rmsnorm backward", lambda: norm.rmsnorm_bwd_triton(x, x, gamma, torch.empty(64), False))
+    wide, wide_gamma = torch.empty(64, 16384, dtype=bf16), torch.empty(16384, dtype=bf16)
+    attempt(
+        "rmsnorm backward H=16384",
+        lambda: norm.rmsnorm_bwd_triton(wide, wide, wide_gamma, torch.empty(64), False),
+    )
     fc1 = torch.empty(64, 2 * 2048, dtype=bf16)
     for quant in (0, 1, 2, 3):
         attempt(
