@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device_info.interpreter_active = lambda: False
     from primus_turbo.triton.activation import gated_act_kernel as act
+    from primus_turbo.triton.attention import flash_attn_kernel as attn
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
@@ -325,6 +326,31 @@ def main(argv: list[str] | None = None) -> int:
             y, torch.empty(64, 3584, dtype=torch.uint8), torch.empty(64, 224, dtype=torch.uint8)
         ),
     )
+    for d_qk, d_v in ((128, 128), (192, 128)):
+        q = torch.empty(2, 1024, 16, d_qk, dtype=bf16)
+        k, v = torch.empty(2, 1024, 4, d_qk, dtype=bf16), torch.empty(2, 1024, 4, d_v, dtype=bf16)
+        o, stats = torch.empty(2, 1024, 16, d_v, dtype=bf16), torch.empty(2, 16, 1024)
+        attempt(
+            f"attention forward d={d_qk}/{d_v} causal+sink",
+            lambda q=q, k=k, v=v, o=o: attn.flash_attn_fwd_triton(q, k, v, torch.empty(16), 0.1, -1, 0, o),
+        )
+        attempt(
+            f"attention backward d={d_qk}/{d_v} causal",
+            lambda q=q, k=k, v=v, o=o, stats=stats: attn.flash_attn_bwd_triton(
+                o,
+                q,
+                k,
+                v,
+                stats,
+                stats,
+                0.1,
+                -1,
+                0,
+                torch.empty_like(q),
+                torch.empty_like(k),
+                torch.empty_like(v),
+            ),
+        )
     print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)
     return 0 if ok else 1
 

@@ -1,0 +1,1 @@
+"""Flash attention custom ops and backends."""

@@ -1,0 +1,246 @@
+"""Flash attention custom ops ``primus_turbo::flash_attn_fwd`` / ``flash_attn_bwd`` and their backends.
+
+The public op resolves one backend per call (``AttentionDispatcher.resolve``) and passes its name to
+both custom ops, so the backward runs on the backend that ran the forward. Tensors are logical
+[B, S, H, D] views of any layout with unit stride along D; outputs and gradients take their inputs'
+layouts (``empty_in_layout``), in the real and the fake impls alike.
+
+Window convention (both backends): query ``i`` sees key ``j`` when
+``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; a negative bound is unbounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    precision_of,
+)
+from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.triton.attention import flash_attn_bwd_triton, flash_attn_fwd_triton
+from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
+
+__all__ = [
+    "AttentionDispatcher",
+    "empty_in_layout",
+    "flash_attn_bwd_impl",
+    "flash_attn_fwd_impl",
+    "resolve_attention_backend",
+]
+
+
+def empty_in_layout(
+    like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An empty tensor of logical ``shape`` whose dimensions lie in memory in the order of ``like``'s
+    (bshd, sbhd, bhsd, ...), dense."""
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    dense = like.new_empty([shape[d] for d in order], dtype=dtype or like.dtype)
+    return dense.permute([order.index(d) for d in range(like.dim())])
+
+
+def _allowed(s_q: int, s_k: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """[Sq, Sk] bool: the window rule of the module docstring."""
+    rows = torch.arange(s_q, device=device)[:, None] + (s_k - s_q)
+    cols = torch.arange(s_k, device=device)[None, :]
+    ok = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= cols <= rows + right
+    if left >= 0:
+        ok &= cols >= rows - left
+    return ok
+
+
+def _heads_first(t: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """fp32 [B, H * group, S, D] from [B, S, H, D], each head repeated ``group`` times (GQA)."""
+    t = t.float().permute(0, 2, 1, 3)
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def _probabilities(q, k, sink, scale, left, right):
+    """(P [B, Hq, Sq, Sk] fp32, lse [B, Hq, Sq]) of the masked softmax with the optional sink logit."""
+    group = q.shape[2] // k.shape[2]
+    scores = _heads_first(q) @ _heads_first(k, group).transpose(-1, -2) * scale
+    scores = scores.masked_fill(~_allowed(q.shape[1], k.shape[1], left, right, q.device), float("-inf"))
+    if sink is not None:
+        sink_col = sink.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([scores, sink_col], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+    return torch.exp(scores - safe[..., None]), lse
+
+
+class TorchAttentionBackend(KernelBackend):
+    """The fp32 math definition: materializes the [Sq, Sk] scores per head. Any device, any dtype."""
+
+    autotune = False
+
+    @staticmethod
+    def forward(q, k, v, sink, scale, left, right, out, **_: Any) -> torch.Tensor:
+        p, lse = _probabilities(q, k, sink, scale, left, right)
+        group = q.shape[2] // k.shape[2]
+        out.copy_((p @ _heads_first(v, group)).permute(0, 2, 1, 3))
+        return lse
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, **_: Any) -> torch.Tensor:
+        p, _ = _probabilities(q, k, sink, scale, left, right)
+        group = q.shape[2] // k.shape[2]
+        dof = _heads_first(do)
+        delta = (dof * _heads_first(out)).sum(-1)
+        dv_heads = p.transpose(-1, -2) @ dof
+        ds = p * (dof @ _heads_first(v, group).transpose(-1, -2) - delta[..., None])
+        dq.copy_((ds @ _heads_first(k, group) * scale).permute(0, 2, 1, 3))
+        dk_heads = ds.transpose(-1, -2) @ _heads_first(q) * scale
+        b, h_kv = k.shape[0], k.shape[2]
+        dk.copy_(dk_heads.view(b, h_kv, group, *dk_heads.shape[2:]).sum(2).permute(0, 2, 1, 3))
+        dv.copy_(dv_heads.view(b, h_kv, group, *dv_heads.shape[2:]).sum(2).permute(0, 2, 1, 3))
+        return _sink_grad(sink, lse, delta)
+
+    execute = forward
+
+
+def _sink_grad(sink: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink[h] = -sum over batch and queries of P(sink) * rowsum(dO * O); zeros without a sink."""
+    if sink is None:
+        return torch.zeros(lse.shape[1], dtype=torch.float32, device=lse.device)
+    p_sink = torch.exp(sink.float()[None, :, None] - lse)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+class TritonAttentionBackend(KernelBackend):
+    """This library's flash attention kernels: fp16/bf16, head dims up to 256."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return triton_unavailable_reason()
+
+    @classmethod
+    def unsupported_reason(cls, q, **_: Any) -> str | None:
+        if q.device.type == "cpu" and not interpreter_active():
+            return "CPU tensors need TRITON_INTERPRET=1"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs fp16 or bf16 inputs, got {q.dtype}"
+        return None
+
+    @staticmethod
+    def forward(q, k, v, sink, scale, left, right, out, **_: Any) -> torch.Tensor:
+        return flash_attn_fwd_triton(q, k, v, sink, scale, left, right, out)
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, **_: Any) -> torch.Tensor:
+        delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).contiguous()
+        flash_attn_bwd_triton(do, q, k, v, lse, delta, scale, left, right, dq, dk, dv)
+        return _sink_grad(sink, lse, delta)
+
+    execute = forward
+
+
+class AttentionDispatcher(AutoKernelDispatcher):
+    """Backend choice for flash attention; the Triton kernels by default on GPUs."""
+
+    op_name = "flash_attn"
+    backends = {
+        BackendType.TRITON: TritonAttentionBackend,
+        BackendType.TORCH: TorchAttentionBackend,
+    }
+
+    @classmethod
+    def make_key(cls, q, k, v, sink, left, right, **_: Any) -> Hashable:
+        return (
+            q.device.type,
+            *q.shape,
+            k.shape[1],
+            k.shape[2],
+            v.shape[3],
+            q.dtype,
+            left,
+            right,
+            sink is None,
+        )
+
+    @classmethod
+    def default_backend(cls, q, **_: Any) -> BackendType:
+        return BackendType.TRITON if q.device.type == "cuda" else BackendType.TORCH
+
+    @classmethod
+    def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        q, v = kwargs["q"], kwargs["v"]
+        return {**kwargs, "out": empty_in_layout(q, (*q.shape[:3], v.shape[3]))}
+
+
+def resolve_attention_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    left: int,
+    right: int,
+) -> str:
+    """Name of the backend that runs this call's forward and backward."""
+    choice = GlobalBackendManager.get_attn_backend(precision_of(q.dtype))
+    return AttentionDispatcher.resolve(
+        choice, q=q, k=k, v=v, sink=sink, scale=scale, left=left, right=right
+    ).name
+
+
+def _backend(name: str) -> type[KernelBackend]:
+    return AttentionDispatcher.backends[BackendType[name]]
+
+
+@custom_op("primus_turbo::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    left: int,
+    right: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Sq, Hq, Dv] in q's layout, lse fp32 [B, Hq, Sq]) on the named backend."""
+    out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
+    lse = _backend(backend).forward(q, k, v, sink, scale, left, right, out)
+    return out, lse
+
+
+@flash_attn_fwd_impl.register_fake
+def _flash_attn_fwd_fake(q, k, v, sink, scale, left, right, backend):
+    out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
+    return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+@custom_op("primus_turbo::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd_impl(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    left: int,
+    right: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv in the layouts of q, k, v; dsink fp32 [Hq], zeros without a sink)."""
+    dq, dk, dv = (empty_in_layout(t, t.shape) for t in (q, k, v))
+    dsink = _backend(backend).backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv)
+    return dq, dk, dv, dsink
+
+
+@flash_attn_bwd_impl.register_fake
+def _flash_attn_bwd_fake(do, q, k, v, out, lse, sink, scale, left, right, backend):
+    dq, dk, dv = (empty_in_layout(t, t.shape) for t in (q, k, v))
+    return dq, dk, dv, q.new_empty((q.shape[2],), dtype=torch.float32)

@@ -1,0 +1,140 @@
+"""Dense flash attention with autograd: ``flash_attn_func``."""
+
+from __future__ import annotations
+
+import torch
+
+from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
+from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
+    flash_attn_bwd_impl,
+    flash_attn_fwd_impl,
+    resolve_attention_backend,
+)
+from primus_turbo.triton.attention import MAX_HEAD_DIM
+
+__all__ = ["flash_attn_func"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sink, scale, left, right, backend):
+        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.scale, ctx.left, ctx.right, ctx.backend = scale, left, right, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv, dsink = call_op(
+            flash_attn_bwd_impl,
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            sink,
+            ctx.scale,
+            ctx.left,
+            ctx.right,
+            ctx.backend,
+        )
+        return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None
+
+
+def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(f"window_size must be two ints >= -1 (-1: unbounded), got {window_size!r}")
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def _check_args(q, k, v, dropout_p, softmax_scale, sink) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dim=4)
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} needs unit stride along its last (head) dimension, got strides {t.stride()}"
+            )
+    check_dtype("q.dtype", q.dtype, _DTYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_same_device(q=q, k=k, v=v, **({"sink": sink} if sink is not None else {}))
+    b, _, h_q, d_qk = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must share [B, S, H]: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[3] != d_qk:
+        raise ValueError(f"q and k head dims differ: {d_qk} and {k.shape[3]}")
+    h_kv = k.shape[2]
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
+    if max(d_qk, v.shape[3]) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got q/k {d_qk} and v {v.shape[3]}")
+    if dropout_p != 0.0:
+        raise ValueError(f"attention dropout is not supported (dropout_p must be 0.0, got {dropout_p})")
+    if sink is not None:
+        check_tensor("sink", sink, dim=1)
+        if sink.dtype != torch.float32 or sink.shape[0] != h_q:
+            raise ValueError(
+                f"sink must be fp32 [{h_q}] (one logit per query head), got {sink.dtype} {tuple(sink.shape)}"
+            )
+    if softmax_scale is None:
+        return d_qk**-0.5 if d_qk else 1.0
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a float, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    sink: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over logical [B, S, H, D] tensors, differentiable in q, k, v and ``sink``.
+
+    ``q`` [B, Sq, Hq, Dqk], ``k`` [B, Sk, Hkv, Dqk], ``v`` [B, Sk, Hkv, Dv]; the memory layout may be bshd,
+    sbhd (Megatron's sequence-first views) or bhsd, read through strides without copies, and the output
+    [B, Sq, Hq, Dv] takes q's layout. ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA). ``causal`` aligns the
+    mask to the bottom-right corner when Sq != Sk; ``window_size=(left, right)`` limits each query to keys
+    within ``left`` before and ``right`` after its diagonal (-1: unbounded). ``sink`` is a learned fp32
+    logit per query head added to every softmax denominator. Rows that see no key return zeros.
+    The backends never use atomics, so results are deterministic and ``deterministic`` needs no slower
+    path; it is accepted for API compatibility. ``return_lse`` also returns the fp32 log-sum-exp
+    [B, Hq, Sq].
+    """
+    scale = _check_args(q, k, v, dropout_p, softmax_scale, sink)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    left, right = _window(causal, window_size)
+    backend = resolve_attention_backend(q, k, v, sink, scale, left, right)
+    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, sink))
+    if torch.is_grad_enabled() and needs_grad:
+        out, lse = _FlashAttnFunction.apply(q, k, v, sink, scale, left, right, backend)
+    else:
+        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,495 @@
+"""Flash attention forward and backward in Triton (FlashAttention-2 style, exp2 softmax).
+
+Logical shapes: q [B, Sq, Hq, Dqk], k [B, Sk, Hkv, Dqk], v [B, Sk, Hkv, Dv], any batch/sequence/head
+strides and unit stride along the head dimension, so bshd, sbhd and bhsd views run without copies.
+Query head ``h`` reads key/value head ``h // (Hq / Hkv)`` (GQA/MQA).
+
+Masking is one rule: query ``i`` sees key ``j`` when ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``
+(a negative bound is unbounded), so causal is ``right = 0`` aligned to the bottom-right corner and
+sliding windows come for free; key blocks outside that band are skipped, not masked. An optional
+per-head sink adds ``exp(sink[h])`` to every softmax denominator with a zero value row. A query row
+that sees no key (and has no sink) gets a zero output and ``lse = -inf``.
+
+The backward recomputes P from the saved log-sum-exp: one kernel per key block accumulates dK and dV
+over every query head of its group and every query block (no atomics, so it is deterministic), and one
+kernel per query block accumulates dQ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from primus_turbo.triton.utils.device_info import interpreter_active
+
+__all__ = ["MAX_HEAD_DIM", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
+
+MAX_HEAD_DIM = 256
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def _blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps): square 64 tiles, 32 under the interpreter and for wide heads."""
+    if interpreter_active():
+        return 16, 16, 4
+    if max(d_qk, d_v) > 128:
+        return 64, 32, 8
+    return 64, 64, 4
+
+
+@triton.jit
+def _key_range(
+    start_m,
+    S_Q,
+    S_K,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[lo, hi) of the keys any query of block ``start_m`` may see; lo is aligned to BLOCK_N."""
+    diag = S_K - S_Q
+    lo = start_m * 0
+    hi = S_K + lo
+    if HAS_RIGHT:
+        hi = tl.minimum(S_K, tl.maximum(start_m + BLOCK_M + diag + WINDOW_RIGHT, 0))
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diag - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Which (query row, key col) pairs the window lets through (cols < S_K included)."""
+    diag = S_K - S_Q
+    ok = (cols[None, :] < S_K) & (rows[:, None] >= 0)
+    if HAS_RIGHT:
+        ok = ok & (cols[None, :] <= rows[:, None] + diag + WINDOW_RIGHT)
+    if HAS_LEFT:
+        ok = ok & (cols[None, :] >= rows[:, None] + diag - WINDOW_LEFT)
+    return ok
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    sink_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    H_Q,
+    GROUP,
+    S_Q,
+    S_K,
+    D_QK,
+    D_V,
+    scale_log2,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H_Q
+    h = bh % H_Q
+    hk = h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    row_ok = rows < S_Q
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    q = tl.load(
+        q_base + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
+        mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    if HAS_SINK:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32) * _LOG2E
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    lo, hi = _key_range(start_m, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < S_K
+        k = tl.load(
+            k_base + cols[None, :].to(tl.int64) * stride_ks + d_qk[:, None],
+            mask=col_ok[None, :] & (d_qk < D_QK)[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + cols[:, None].to(tl.int64) * stride_vs + d_v[None, :],
+            mask=col_ok[:, None] & (d_v < D_V)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, k) * scale_log2
+        s = tl.where(
+            _band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf")
+        )
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(
+        o_base + rows[:, None].to(tl.int64) * stride_os + d_v[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (d_v < D_V)[None, :],
+    )
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / _LOG2E, float("-inf"))
+    tl.store(lse_ptr + bh.to(tl.int64) * S_Q + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    H_Q,
+    H_KV,
+    GROUP,
+    S_Q,
+    S_K,
+    D_QK,
+    D_V,
+    scale,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    cols = start_n + tl.arange(0, BLOCK_N)
+    col_ok = cols < S_K
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    k = tl.load(
+        k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+        + cols[:, None].to(tl.int64) * stride_ks + d_qk[None, :],
+        mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    v = tl.load(
+        v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+        + cols[:, None].to(tl.int64) * stride_vs + d_v[None, :],
+        mask=col_ok[:, None] & (d_v < D_V)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # queries that may see this key block: i in [j - diag - right, j - diag + left]
+    diag = S_K - S_Q
+    q_lo = start_n * 0
+    q_hi = S_Q + q_lo
+    if HAS_RIGHT:
+        q_lo = tl.maximum(start_n - diag - WINDOW_RIGHT, 0) // BLOCK_M * BLOCK_M
+    if HAS_LEFT:
+        q_hi = tl.minimum(S_Q, tl.maximum(start_n + BLOCK_N - diag + WINDOW_LEFT, 0))
+    scale_log2 = scale * _LOG2E
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        stat_base = (b * H_Q + h).to(tl.int64) * S_Q
+        for start_m in range(q_lo, q_hi, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            row_ok = rows < S_Q
+            q = tl.load(
+                q_base + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
+                mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + rows[:, None].to(tl.int64) * stride_dos + d_v[None, :],
+                mask=row_ok[:, None] & (d_v < D_V)[None, :],
+                other=0.0,
+            )
+            lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
+            delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
+            # rows that saw no key have lse = -inf: their P is 0, not exp(-inf + inf)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+            s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
+            band = tl.trans(_band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT))
+            p_t = tl.where(band, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    dk = dk * scale
+    tl.store(
+        dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
+        + cols[:, None].to(tl.int64) * stride_dks + d_qk[None, :],
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
+    )  # fmt: skip
+    tl.store(
+        dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+        + cols[:, None].to(tl.int64) * stride_dvs + d_v[None, :],
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=col_ok[:, None] & (d_v < D_V)[None, :],
+    )  # fmt: skip
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    H_Q,
+    GROUP,
+    S_Q,
+    S_K,
+    D_QK,
+    D_V,
+    scale,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H_Q
+    h = bh % H_Q
+    hk = h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < S_Q
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
+        mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    do = tl.load(
+        do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        + rows[:, None].to(tl.int64) * stride_dos + d_v[None, :],
+        mask=row_ok[:, None] & (d_v < D_V)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    stat_base = bh.to(tl.int64) * S_Q
+    lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
+    delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    scale_log2 = scale * _LOG2E
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    lo, hi = _key_range(start_m, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < S_K
+        k = tl.load(
+            k_base + cols[:, None].to(tl.int64) * stride_ks + d_qk[None, :],
+            mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + cols[:, None].to(tl.int64) * stride_vs + d_v[None, :],
+            mask=col_ok[:, None] & (d_v < D_V)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        band = _band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
+        p = tl.where(band, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * scale
+    tl.store(
+        dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+        + rows[:, None].to(tl.int64) * stride_dqs + d_qk[None, :],
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
+    )  # fmt: skip
+
+
+def _bsh(t: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, sequence and head strides of a [B, S, H, D] tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    b, s_q, h_q, d_qk = q.shape
+    s_k, h_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    return b, s_q, s_k, h_q, h_kv, d_qk, d_v
+
+
+def flash_attn_fwd_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Fill ``out`` [B, Sq, Hq, Dv] (any layout) and return ``lse`` fp32 [B, Hq, Sq] (natural log)."""
+    b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v)
+    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return lse
+    block_m, block_n, warps = _blocks(d_qk, d_v)
+    grid = (triton.cdiv(s_q, block_m), b * h_q)
+    _attn_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        sink if sink is not None else lse,
+        out,
+        lse,
+        *_bsh(q),
+        *_bsh(k),
+        *_bsh(v),
+        *_bsh(out),
+        h_q,
+        h_q // h_kv,
+        s_q,
+        s_k,
+        d_qk,
+        d_v,
+        scale * _LOG2E.value,
+        window_left,
+        window_right,
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        HAS_SINK=sink is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_DQK=max(16, triton.next_power_of_2(d_qk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
+        num_warps=warps,
+    )
+    return lse
+
+
+def flash_attn_bwd_triton(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (layouts of q, k, v) from the saved ``lse`` and ``delta`` = rowsum(dO * O),
+    both fp32 [B, Hq, Sq]."""
+    b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v)
+    block_m, block_n, warps = _blocks(d_qk, d_v)
+    blocks = dict(
+        HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_DQK=max(16, triton.next_power_of_2(d_qk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
+        num_warps=warps,
+    )
+    if s_k and b * h_kv:
+        # dK and dV accumulate side by side over 32-row query blocks with 8 warps: no spills at d 128
+        # or 192/128 (compile_check), where 64-row blocks with 4 warps spilled 680 B
+        dkdv_blocks = blocks if interpreter_active() else {**blocks, "BLOCK_M": 32, "num_warps": 8}
+        _attn_bwd_dkdv_kernel[(triton.cdiv(s_k, block_n), b * h_kv)](
+            q, k, v, do, lse, delta, dk, dv,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
+            h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
+            **dkdv_blocks,
+        )  # fmt: skip
+    if s_q and b * h_q:
+        _attn_bwd_dq_kernel[(triton.cdiv(s_q, block_m), b * h_q)](
+            q, k, v, do, lse, delta, dq,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
+            h_q, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
+            **blocks,
+        )  # fmt: skip

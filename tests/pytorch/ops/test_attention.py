@@ -1,0 +1,233 @@
+"""Flash attention: forward and backward of every backend against an fp64 reference over MHA/GQA/MQA,
+unequal head dims, odd and unequal sequence lengths, causal masks, windows, sinks and the bshd / sbhd /
+bhsd layouts; output layouts; the op contract (opcheck, fullgraph compile); determinism; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
+from primus_turbo.pytorch.kernels.attention import flash_attn_impl as impl
+from primus_turbo.pytorch.ops import flash_attn_func
+from tests.pytorch.ref.attention_ref import attention_ref
+from tests.pytorch.test_utils import DEVICES, compute_snr
+
+DEVICE = DEVICES[0]
+ON_GPU = DEVICE == "cuda"
+BACKENDS = [BackendType.TORCH, BackendType.TRITON]
+SNR_DB = 40.0
+# (heads q, heads kv, head dim qk, head dim v)
+HEADS = [(2, 2, 32, 32), (4, 2, 48, 32), (4, 1, 16, 40)] + (
+    [(8, 2, 192, 128), (32, 8, 128, 128)] if ON_GPU else []
+)
+# (seq q, seq k)
+SEQS = [(17, 17), (1, 9), (33, 20), (20, 33)] + ([(1024, 1024), (777, 1500)] if ON_GPU else [])
+LAYOUTS = ["bshd", "sbhd", "bhsd"]
+
+
+@pytest.fixture(autouse=True)
+def _reset_backends():
+    GlobalBackendManager.reset()
+    yield
+    GlobalBackendManager.reset()
+
+
+def _tensor(b, s, h, d, layout, dtype, gen):
+    """A logical [b, s, h, d] tensor stored in ``layout``."""
+    dims = {"b": b, "s": s, "h": h, "d": d}
+    stored = torch.randn([dims[c] for c in layout], generator=gen).to(DEVICE, dtype)
+    return stored.permute([layout.index(c) for c in "bshd"]).requires_grad_()
+
+
+def _inputs(b, s_q, s_k, heads, layout="bshd", dtype=torch.bfloat16, sink=False, seed=0):
+    h_q, h_kv, d_qk, d_v = heads
+    gen = torch.Generator().manual_seed(seed)
+    q = _tensor(b, s_q, h_q, d_qk, layout, dtype, gen)
+    k = _tensor(b, s_k, h_kv, d_qk, layout, dtype, gen)
+    v = _tensor(b, s_k, h_kv, d_v, layout, dtype, gen)
+    sinks = (torch.randn(h_q, generator=gen) + 1.0).to(DEVICE).requires_grad_() if sink else None
+    return q, k, v, sinks
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
+
+
+def _check(
+    backend, b, seqs, heads, layout="bshd", causal=False, window=(-1, -1), sink=False, dtype=torch.bfloat16
+):
+    GlobalBackendManager.set_attn_backend(backend, PrecisionType.BF16_FP16_FP32)
+    q, k, v, s = _inputs(b, *seqs, heads, layout, dtype, sink)
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window, sink=s)
+    assert out.shape == (b, seqs[0], heads[0], heads[3])
+    assert [out.stride(i) > 0 for i in range(4)] and _order(out) == _order(q)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    out.backward(grad)
+    rq, rk, rv, rs = _leaves(q, k, v, s)
+    scale = heads[2] ** -0.5
+    ref = attention_ref(rq, rk, rv, scale, causal, window, rs)
+    ref.backward(grad.double())
+    _assert_matches(ref, out)
+    for mine, theirs in ((q, rq), (k, rk), (v, rv)):
+        assert mine.grad.shape == mine.shape and _order(mine.grad) == _order(mine)
+        _assert_matches(theirs.grad, mine.grad)
+    if sink:
+        _assert_matches(rs.grad, s.grad)
+
+
+def _assert_matches(reference, actual):
+    """SNR gate; a reference that is exactly zero (a one-key window makes dq vanish) needs ~zeros."""
+    if not reference.abs().max():
+        assert actual.float().abs().max() <= 1e-6
+        return
+    assert compute_snr(reference, actual) >= SNR_DB
+
+
+def _order(t):
+    """The memory order of the dimensions, outermost first."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqs", SEQS, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_forward_backward_matches_reference(backend, heads, seqs, causal):
+    _check(backend, 2, seqs, heads, causal=causal)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_layouts_are_read_in_place_and_kept(backend, layout):
+    _check(backend, 2, (19, 19), (4, 2, 32, 32), layout, causal=True)
+
+
+@pytest.mark.parametrize(
+    "window,causal", [((3, 2), False), ((4, -1), True), ((0, 0), False), ((-1, 5), False)], ids=str
+)
+@pytest.mark.parametrize("seqs", [(25, 25), (12, 30), (30, 12)], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_sliding_windows(backend, seqs, window, causal):
+    _check(backend, 1, seqs, (2, 1, 32, 32), window=window, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_sink_and_its_gradient(backend, causal):
+    _check(backend, 2, (21, 21), (4, 2, 32, 32), causal=causal, sink=True)
+    _check(backend, 1, (30, 12), (2, 2, 32, 32), causal=True, sink=True)
+
+
+def test_fp32_runs_on_torch_and_triton_declines_it():
+    _check(BackendType.TORCH, 1, (9, 9), (2, 1, 16, 16), dtype=torch.float32)
+    GlobalBackendManager.set_attn_backend(BackendType.TRITON)
+    q, k, v, _ = _inputs(1, 9, 9, (2, 1, 16, 16), dtype=torch.float32)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_lse_and_rows_without_keys(backend):
+    GlobalBackendManager.set_attn_backend(backend)
+    q, k, v, _ = _inputs(1, 6, 3, (2, 2, 16, 16))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert lse.shape == (1, 2, 6) and lse.dtype == torch.float32
+    # bottom-right causal: the first Sq - Sk = 3 queries see no key
+    assert torch.equal(out[:, :3].float(), torch.zeros_like(out[:, :3].float()))
+    assert torch.isinf(lse[..., :3]).all() and (lse[..., :3] < 0).all()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 16**-0.5
+    mask = torch.ones(6, 3, dtype=torch.bool, device=DEVICE).tril(-3)
+    expected = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)[..., 3:]
+    torch.testing.assert_close(lse[..., 3:].double(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_empty_inputs(backend):
+    GlobalBackendManager.set_attn_backend(backend)
+    for b, s_q, s_k in ((0, 4, 4), (2, 0, 4), (2, 4, 0)):
+        q, k, v, _ = _inputs(b, s_q, s_k, (2, 1, 16, 16))
+        out = flash_attn_func(q, k, v)
+        out.sum().backward()
+        assert out.shape == (b, s_q, 2, 16) and not out.float().abs().sum()
+        assert k.grad.shape == k.shape and not k.grad.float().abs().sum()
+
+
+def test_default_backend_and_output_matches_triton():
+    q, k, v, _ = _inputs(1, 9, 9, (2, 1, 16, 16))
+    flash_attn_func(q, k, v)
+    expected = BackendType.TRITON if ON_GPU else BackendType.TORCH
+    assert impl.AttentionDispatcher.last_selected() is expected
+
+
+def test_opcheck():
+    q, k, v, s = _inputs(1, 9, 7, (4, 2, 16, 16), sink=True)
+    q, k, v = (t.detach() for t in (q, k, v))
+    backend = "TRITON" if ON_GPU else "TORCH"
+    args = (q, k, v, s.detach(), 0.25, -1, 0, backend)
+    torch.library.opcheck(impl.flash_attn_fwd_impl, args)
+    out, lse = impl.flash_attn_fwd_impl(*args)
+    torch.library.opcheck(impl.flash_attn_bwd_impl, (torch.randn_like(out), q, k, v, out, lse, *args[3:]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiles_fullgraph_with_eager_strides(layout):
+    torch._dynamo.reset()
+    q, k, v, s = _inputs(2, 11, 11, (4, 2, 16, 16), layout, sink=True)
+
+    def step(q, k, v, s):
+        return flash_attn_func(q, k, v, causal=True, sink=s)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, s)
+    eager = step(*_leaves(q, k, v, s))
+    assert out.stride() == eager.stride()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert q.grad is not None and s.grad is not None
+
+
+@pytest.mark.deterministic
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_deterministic_bitwise(backend):
+    GlobalBackendManager.set_attn_backend(backend)
+    results = []
+    for _ in range(3 if not ON_GPU else 10):
+        q, k, v, s = _inputs(2, 40 if ON_GPU else 17, 40 if ON_GPU else 17, (4, 1, 32, 32), sink=True)
+        out = flash_attn_func(q, k, v, causal=True, sink=s, deterministic=True)
+        out.float().sum().backward()
+        results.append([t.detach().clone() for t in (out, q.grad, k.grad, v.grad, s.grad)])
+    for other in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(results[0], other, strict=True))
+
+
+@pytest.mark.parametrize(
+    "mutate,error,match",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "4-D"),
+        (lambda q, k, v: (q, k.half(), v), TypeError, "one dtype"),
+        (lambda q, k, v: (q.int(), k, v), TypeError, "q.dtype"),
+        (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "multiple of key/value heads"),
+        (lambda q, k, v: (q, k[..., :8], v), ValueError, "head dims differ"),
+        (lambda q, k, v: (q, k, v[:, :3]), ValueError, "share"),
+        (lambda q, k, v: (q[:1], k, v), ValueError, "batch"),
+        (lambda q, k, v: (q.transpose(2, 3), k, v), ValueError, "unit stride"),
+    ],
+)
+def test_bad_input_raises_clear_error(mutate, error, match):
+    q, k, v, _ = _inputs(2, 5, 5, (4, 2, 16, 16))
+    with pytest.raises(error, match=match):
+        flash_attn_func(*mutate(q.detach(), k.detach(), v.detach()))
+
+
+def test_bad_options_raise_clear_error():
+    q, k, v, _ = _inputs(1, 5, 5, (2, 2, 16, 16))
+    with pytest.raises(ValueError, match="dropout"):
+        flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_func(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="sink must be fp32"):
+        flash_attn_func(q, k, v, sink=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        big = torch.zeros(1, 5, 2, 288, device=DEVICE, dtype=torch.bfloat16)
+        flash_attn_func(big, big, big)
