@@ -8,7 +8,7 @@ from primus_turbo.pytorch.ops.activation import (
     swiglu_fp8,
     swiglu_with_probs,
 )
-from primus_turbo.pytorch.ops.attention import flash_attn_func
+from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
@@ -30,6 +30,7 @@ __all__ = [
     "dequantize_fp4",
     "dequantize_fp8",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "geglu",
     "geglu_fp8",
     "geglu_with_probs",

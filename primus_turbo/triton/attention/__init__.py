@@ -2,8 +2,9 @@
 
 from primus_turbo.triton.attention.flash_attn_kernel import (
     MAX_HEAD_DIM,
+    Varlen,
     flash_attn_bwd_triton,
     flash_attn_fwd_triton,
 )
 
-__all__ = ["MAX_HEAD_DIM", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
+__all__ = ["MAX_HEAD_DIM", "Varlen", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]

@@ -17,13 +17,15 @@ kernel per query block accumulates dQ.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from primus_turbo.triton.utils.device_info import interpreter_active
 
-__all__ = ["MAX_HEAD_DIM", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
+__all__ = ["MAX_HEAD_DIM", "Varlen", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
 
 MAX_HEAD_DIM = 256
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -74,6 +76,15 @@ def _band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT: tl.constexp
 
 
 @triton.jit
+def _sequence(cu_ptr, b, S, VARLEN: tl.constexpr):
+    """(first row, length) of sequence ``b``: from the cumulative lengths when VARLEN, else (0, S)."""
+    if VARLEN:
+        first = tl.load(cu_ptr + b)
+        return first.to(tl.int64), tl.load(cu_ptr + b + 1) - first
+    return (b * 0).to(tl.int64), S
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -81,6 +92,8 @@ def _attn_fwd_kernel(
     sink_ptr,
     o_ptr,
     lse_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -93,6 +106,8 @@ def _attn_fwd_kernel(
     stride_ob,
     stride_os,
     stride_oh,
+    stride_lb,
+    stride_lh,
     H_Q,
     GROUP,
     S_Q,
@@ -102,6 +117,7 @@ def _attn_fwd_kernel(
     scale_log2,
     WINDOW_LEFT,
     WINDOW_RIGHT,
+    VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_SINK: tl.constexpr,
@@ -115,18 +131,20 @@ def _attn_fwd_kernel(
     b = bh // H_Q
     h = bh % H_Q
     hk = h // GROUP
+    q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
+    k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
     rows = start_m + tl.arange(0, BLOCK_M)
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
-    row_ok = rows < S_Q
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    row_ok = rows < seq_q
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q0 * stride_qs
     q = tl.load(
         q_base + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
         mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
         other=0.0,
     )
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0 * stride_ks
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0 * stride_vs
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
@@ -134,10 +152,13 @@ def _attn_fwd_kernel(
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    lo, hi = _key_range(start_m, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    lo, hi = _key_range(
+        start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
+    hi = tl.where(start_m < seq_q, hi, lo)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < S_K
+        col_ok = cols < seq_k
         k = tl.load(
             k_base + cols[None, :].to(tl.int64) * stride_ks + d_qk[:, None],
             mask=col_ok[None, :] & (d_qk < D_QK)[:, None],
@@ -150,7 +171,7 @@ def _attn_fwd_kernel(
         )
         s = tl.dot(q, k) * scale_log2
         s = tl.where(
-            _band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf")
+            _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf")
         )
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,14 +182,14 @@ def _attn_fwd_kernel(
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q0 * stride_os
     tl.store(
         o_base + rows[:, None].to(tl.int64) * stride_os + d_v[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=row_ok[:, None] & (d_v < D_V)[None, :],
     )
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / _LOG2E, float("-inf"))
-    tl.store(lse_ptr + bh.to(tl.int64) * S_Q + rows, lse, mask=row_ok)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0 + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -181,6 +202,8 @@ def _attn_bwd_dkdv_kernel(
     delta_ptr,
     dk_ptr,
     dv_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -199,6 +222,8 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvs,
     stride_dvh,
+    stride_lb,
+    stride_lh,
     H_Q,
     H_KV,
     GROUP,
@@ -209,6 +234,7 @@ def _attn_bwd_dkdv_kernel(
     scale,
     WINDOW_LEFT,
     WINDOW_RIGHT,
+    VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -220,41 +246,44 @@ def _attn_bwd_dkdv_kernel(
     bhk = tl.program_id(1)
     b = bhk // H_KV
     hk = bhk % H_KV
+    q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
+    k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
     cols = start_n + tl.arange(0, BLOCK_N)
-    col_ok = cols < S_K
+    col_ok = cols < seq_k
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     k = tl.load(
         k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-        + cols[:, None].to(tl.int64) * stride_ks + d_qk[None, :],
+        + (k0 + cols[:, None]) * stride_ks + d_qk[None, :],
         mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
         other=0.0,
     )  # fmt: skip
     v = tl.load(
         v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-        + cols[:, None].to(tl.int64) * stride_vs + d_v[None, :],
+        + (k0 + cols[:, None]) * stride_vs + d_v[None, :],
         mask=col_ok[:, None] & (d_v < D_V)[None, :],
         other=0.0,
     )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # queries that may see this key block: i in [j - diag - right, j - diag + left]
-    diag = S_K - S_Q
+    diag = seq_k - seq_q
     q_lo = start_n * 0
-    q_hi = S_Q + q_lo
+    q_hi = seq_q + q_lo
     if HAS_RIGHT:
         q_lo = tl.maximum(start_n - diag - WINDOW_RIGHT, 0) // BLOCK_M * BLOCK_M
     if HAS_LEFT:
-        q_hi = tl.minimum(S_Q, tl.maximum(start_n + BLOCK_N - diag + WINDOW_LEFT, 0))
+        q_hi = tl.minimum(seq_q, tl.maximum(start_n + BLOCK_N - diag + WINDOW_LEFT, 0))
+    q_hi = tl.where(start_n < seq_k, q_hi, q_lo)
     scale_log2 = scale * _LOG2E
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        stat_base = (b * H_Q + h).to(tl.int64) * S_Q
+        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q0 * stride_qs
+        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q0 * stride_dos
+        stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
         for start_m in range(q_lo, q_hi, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            row_ok = rows < S_Q
+            row_ok = rows < seq_q
             q = tl.load(
                 q_base + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
                 mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
@@ -270,7 +299,7 @@ def _attn_bwd_dkdv_kernel(
             # rows that saw no key have lse = -inf: their P is 0, not exp(-inf + inf)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
             s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
-            band = tl.trans(_band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT))
+            band = tl.trans(_band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT))
             p_t = tl.where(band, tl.math.exp2(s_t - lse2[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do)
             dp_t = tl.dot(v, tl.trans(do))
@@ -279,13 +308,13 @@ def _attn_bwd_dkdv_kernel(
     dk = dk * scale
     tl.store(
         dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-        + cols[:, None].to(tl.int64) * stride_dks + d_qk[None, :],
+        + (k0 + cols[:, None]) * stride_dks + d_qk[None, :],
         dk.to(dk_ptr.dtype.element_ty),
         mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
     )  # fmt: skip
     tl.store(
         dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-        + cols[:, None].to(tl.int64) * stride_dvs + d_v[None, :],
+        + (k0 + cols[:, None]) * stride_dvs + d_v[None, :],
         dv.to(dv_ptr.dtype.element_ty),
         mask=col_ok[:, None] & (d_v < D_V)[None, :],
     )  # fmt: skip
@@ -300,6 +329,8 @@ def _attn_bwd_dq_kernel(
     lse_ptr,
     delta_ptr,
     dq_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -315,6 +346,8 @@ def _attn_bwd_dq_kernel(
     stride_dqb,
     stride_dqs,
     stride_dqh,
+    stride_lb,
+    stride_lh,
     H_Q,
     GROUP,
     S_Q,
@@ -324,6 +357,7 @@ def _attn_bwd_dq_kernel(
     scale,
     WINDOW_LEFT,
     WINDOW_RIGHT,
+    VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -336,34 +370,39 @@ def _attn_bwd_dq_kernel(
     b = bh // H_Q
     h = bh % H_Q
     hk = h // GROUP
+    q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
+    k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
     rows = start_m + tl.arange(0, BLOCK_M)
-    row_ok = rows < S_Q
+    row_ok = rows < seq_q
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
+        + (q0 + rows[:, None]) * stride_qs + d_qk[None, :],
         mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
         other=0.0,
     )  # fmt: skip
     do = tl.load(
         do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        + rows[:, None].to(tl.int64) * stride_dos + d_v[None, :],
+        + (q0 + rows[:, None]) * stride_dos + d_v[None, :],
         mask=row_ok[:, None] & (d_v < D_V)[None, :],
         other=0.0,
     )  # fmt: skip
-    stat_base = bh.to(tl.int64) * S_Q
+    stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
     lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
     delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     scale_log2 = scale * _LOG2E
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0 * stride_ks
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0 * stride_vs
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    lo, hi = _key_range(start_m, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    lo, hi = _key_range(
+        start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
+    hi = tl.where(start_m < seq_q, hi, lo)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < S_K
+        col_ok = cols < seq_k
         k = tl.load(
             k_base + cols[:, None].to(tl.int64) * stride_ks + d_qk[None, :],
             mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
@@ -375,7 +414,7 @@ def _attn_bwd_dq_kernel(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k)) * scale_log2
-        band = _band(rows, cols, S_Q, S_K, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
+        band = _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
         p = tl.where(band, tl.math.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -383,21 +422,42 @@ def _attn_bwd_dq_kernel(
     dq = dq * scale
     tl.store(
         dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-        + rows[:, None].to(tl.int64) * stride_dqs + d_qk[None, :],
+        + (q0 + rows[:, None]) * stride_dqs + d_qk[None, :],
         dq.to(dq_ptr.dtype.element_ty),
         mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
     )  # fmt: skip
 
 
+class Varlen(NamedTuple):
+    """Packed sequences: int32 cumulative lengths [B + 1] of queries and keys, and the longest of each."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 def _bsh(t: torch.Tensor) -> tuple[int, int, int]:
-    """Batch, sequence and head strides of a [B, S, H, D] tensor."""
+    """Batch, sequence and head strides of a [B, S, H, D] tensor, or (0, token, head) of packed [T, H, D]."""
+    if t.dim() == 3:
+        return 0, t.stride(0), t.stride(1)
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+def _dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
+    """(B, Sq, Sk, Hq, Hkv, Dqk, Dv); for packed inputs B is the sequence count and S the longest."""
+    if varlen is not None:
+        b = varlen.cu_seqlens_q.numel() - 1
+        return b, varlen.max_seqlen_q, varlen.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     b, s_q, h_q, d_qk = q.shape
-    s_k, h_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
-    return b, s_q, s_k, h_q, h_kv, d_qk, d_v
+    return b, s_q, k.shape[1], h_q, k.shape[2], d_qk, v.shape[3]
+
+
+def _packing(varlen: Varlen | None, lse: torch.Tensor) -> tuple:
+    """(cu_q, cu_k, lse batch stride, lse head stride, VARLEN) kernel arguments."""
+    if varlen is None:
+        return lse, lse, lse.stride(0), lse.stride(1), False
+    return varlen.cu_seqlens_q, varlen.cu_seqlens_k, 0, lse.stride(0), True
 
 
 def flash_attn_fwd_triton(
@@ -409,12 +469,16 @@ def flash_attn_fwd_triton(
     window_left: int,
     window_right: int,
     out: torch.Tensor,
+    varlen: Varlen | None = None,
 ) -> torch.Tensor:
-    """Fill ``out`` [B, Sq, Hq, Dv] (any layout) and return ``lse`` fp32 [B, Hq, Sq] (natural log)."""
-    b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v)
-    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 and lse.numel() == 0:
+    """Fill ``out`` [B, Sq, Hq, Dv] (any layout; packed [T, Hq, Dv] with ``varlen``) and return the
+    natural-log ``lse``, fp32 [B, Hq, Sq] (packed: [Hq, T])."""
+    b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
+    shape = (h_q, q.shape[0]) if varlen is not None else (b, h_q, s_q)
+    lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    if lse.numel() == 0 or b * s_q == 0:
         return lse
+    cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
     block_m, block_n, warps = _blocks(d_qk, d_v)
     grid = (triton.cdiv(s_q, block_m), b * h_q)
     _attn_fwd_kernel[grid](
@@ -424,10 +488,14 @@ def flash_attn_fwd_triton(
         sink if sink is not None else lse,
         out,
         lse,
+        cu_q,
+        cu_k,
         *_bsh(q),
         *_bsh(k),
         *_bsh(v),
         *_bsh(out),
+        stride_lb,
+        stride_lh,
         h_q,
         h_q // h_kv,
         s_q,
@@ -437,6 +505,7 @@ def flash_attn_fwd_triton(
         scale * _LOG2E.value,
         window_left,
         window_right,
+        VARLEN=packed,
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0,
         HAS_SINK=sink is not None,
@@ -462,12 +531,15 @@ def flash_attn_bwd_triton(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    varlen: Varlen | None = None,
 ) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (layouts of q, k, v) from the saved ``lse`` and ``delta`` = rowsum(dO * O),
-    both fp32 [B, Hq, Sq]."""
-    b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v)
+    both fp32 and shaped like the forward's ``lse``."""
+    b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
+    cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
     block_m, block_n, warps = _blocks(d_qk, d_v)
     blocks = dict(
+        VARLEN=packed,
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0,
         BLOCK_M=block_m,
@@ -481,15 +553,15 @@ def flash_attn_bwd_triton(
         # or 192/128 (compile_check), where 64-row blocks with 4 warps spilled 680 B
         dkdv_blocks = blocks if interpreter_active() else {**blocks, "BLOCK_M": 32, "num_warps": 8}
         _attn_bwd_dkdv_kernel[(triton.cdiv(s_k, block_n), b * h_kv)](
-            q, k, v, do, lse, delta, dk, dv,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv),
+            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv), stride_lb, stride_lh,
             h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
             **dkdv_blocks,
         )  # fmt: skip
     if s_q and b * h_q:
         _attn_bwd_dq_kernel[(triton.cdiv(s_q, block_m), b * h_q)](
-            q, k, v, do, lse, delta, dq,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq),
+            q, k, v, do, lse, delta, dq, cu_q, cu_k,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq), stride_lb, stride_lh,
             h_q, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
             **blocks,
         )  # fmt: skip

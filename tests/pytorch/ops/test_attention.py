@@ -9,7 +9,7 @@ import torch
 
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.kernels.attention import flash_attn_impl as impl
-from primus_turbo.pytorch.ops import flash_attn_func
+from primus_turbo.pytorch.ops import flash_attn_func, flash_attn_varlen_func
 from tests.pytorch.ref.attention_ref import attention_ref
 from tests.pytorch.test_utils import DEVICES, compute_snr
 
@@ -231,3 +231,93 @@ def test_bad_options_raise_clear_error():
     with pytest.raises(ValueError, match="head dims up to 256"):
         big = torch.zeros(1, 5, 2, 288, device=DEVICE, dtype=torch.bfloat16)
         flash_attn_func(big, big, big)
+
+
+def _packed(lengths_q, lengths_k, heads, sink=False, seed=0):
+    h_q, h_kv, d_qk, d_v = heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+
+    q, k, v = (
+        rand(sum(lengths_q), h_q, d_qk),
+        rand(sum(lengths_k), h_kv, d_qk),
+        rand(sum(lengths_k), h_kv, d_v),
+    )
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        for n in (lengths_q, lengths_k)
+    )
+    sinks = (torch.randn(h_q, generator=gen) + 1.0).to(DEVICE).requires_grad_() if sink else None
+    return q, k, v, cu_q, cu_k, sinks
+
+
+@pytest.mark.parametrize(
+    "lengths", [([5, 1, 17, 0, 9], [5, 1, 17, 0, 9]), ([3, 20, 1], [7, 20, 4])], ids=["self", "cross"]
+)
+@pytest.mark.parametrize(
+    "options", [{}, {"causal": True}, {"causal": True, "sink": True}, {"window": (4, 1)}], ids=str
+)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_varlen_matches_each_sequence_alone(backend, options, lengths):
+    GlobalBackendManager.set_attn_backend(backend)
+    heads = (4, 2, 32, 16)
+    causal, window = options.get("causal", False), options.get("window", (-1, -1))
+    q, k, v, cu_q, cu_k, s = _packed(*lengths, heads, sink=options.get("sink", False))
+    out = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lengths[0]), max(lengths[1]), causal=causal, window_size=window, sink=s
+    )
+    assert out.shape == (q.shape[0], 4, 16)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, out.dtype)
+    out.backward(grad)
+    rq, rk, rv, rs = _leaves(q, k, v, s)
+    pieces = []
+    for i in range(len(lengths[0])):
+        rows_q, rows_k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        pieces.append(
+            attention_ref(rq[None, rows_q], rk[None, rows_k], rv[None, rows_k], 32**-0.5, causal, window, rs)[
+                0
+            ]
+        )
+    ref = torch.cat(pieces)
+    ref.backward(grad.double())
+    _assert_matches(ref, out)
+    for mine, theirs in ((q, rq), (k, rk), (v, rv)) + (((s, rs),) if s is not None else ()):
+        _assert_matches(theirs.grad, mine.grad)
+
+
+def test_varlen_opcheck_and_compile():
+    q, k, v, cu_q, cu_k, s = _packed([3, 6], [3, 6], (2, 1, 16, 16), sink=True)
+    q, k, v, s = (t.detach() for t in (q, k, v, s))
+    backend = "TRITON" if ON_GPU else "TORCH"
+    args = (q, k, v, cu_q, cu_k, 6, 6, s, 0.25, -1, 0, backend)
+    torch.library.opcheck(impl.flash_attn_varlen_fwd_impl, args)
+    out, lse = impl.flash_attn_varlen_fwd_impl(*args)
+    assert lse.shape == (2, 9)
+    bwd_args = (torch.randn_like(out), q, k, v, out, lse, *args[3:])
+    torch.library.opcheck(impl.flash_attn_varlen_bwd_impl, bwd_args)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, causal=True),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    leaves = _leaves(q, k, v)
+    compiled(*leaves).float().sum().backward()
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_varlen_bad_offsets_raise_clear_error(monkeypatch):
+    monkeypatch.setenv("PRIMUS_TURBO_DEBUG_CHECKS", "1")
+    q, k, v, cu_q, cu_k, _ = _packed([3, 6], [3, 6], (2, 1, 16, 16))
+    with pytest.raises(TypeError, match="int32"):
+        flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, 6, 6)
+    with pytest.raises(ValueError, match="B \\+ 1"):
+        flash_attn_varlen_func(q, k, v, cu_q[:2], cu_k, 6, 6)
+    with pytest.raises(ValueError, match="rise from 0 to 9"):
+        flash_attn_varlen_func(q, k, v, cu_q * 2, cu_k, 6, 6)
+    with pytest.raises(ValueError, match="over the max"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6)
+    with pytest.raises(ValueError, match="3-D"):
+        flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 6, 6)

@@ -24,14 +24,17 @@ from primus_turbo.pytorch.core.backend import (
     precision_of,
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
-from primus_turbo.triton.attention import flash_attn_bwd_triton, flash_attn_fwd_triton
+from primus_turbo.triton.attention import Varlen, flash_attn_bwd_triton, flash_attn_fwd_triton
 from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
 
 __all__ = [
     "AttentionDispatcher",
+    "Varlen",
     "empty_in_layout",
     "flash_attn_bwd_impl",
     "flash_attn_fwd_impl",
+    "flash_attn_varlen_bwd_impl",
+    "flash_attn_varlen_fwd_impl",
     "resolve_attention_backend",
 ]
 
@@ -79,19 +82,34 @@ def _probabilities(q, k, sink, scale, left, right):
 
 
 class TorchAttentionBackend(KernelBackend):
-    """The fp32 math definition: materializes the [Sq, Sk] scores per head. Any device, any dtype."""
+    """The fp32 math definition: materializes the [Sq, Sk] scores per head; packed sequences run one
+    by one (their lengths are read on the host). Any device, any dtype."""
 
     autotune = False
 
     @staticmethod
-    def forward(q, k, v, sink, scale, left, right, out, **_: Any) -> torch.Tensor:
+    def forward(q, k, v, sink, scale, left, right, out, varlen=None, **_: Any) -> torch.Tensor:
+        if varlen is not None:
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+            for rows_q, rows_k in _sequences(varlen):
+                parts = (q[None, rows_q], k[None, rows_k], v[None, rows_k], sink, scale, left, right)
+                lse[:, rows_q] = TorchAttentionBackend.forward(*parts, out[None, rows_q])[0]
+            return lse
         p, lse = _probabilities(q, k, sink, scale, left, right)
         group = q.shape[2] // k.shape[2]
         out.copy_((p @ _heads_first(v, group)).permute(0, 2, 1, 3))
         return lse
 
     @staticmethod
-    def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, **_: Any) -> torch.Tensor:
+    def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, varlen=None, **_: Any):
+        if varlen is not None:
+            dsink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+            for rows_q, rows_k in _sequences(varlen):
+                parts = [t[None, r] for t, r in ((do, rows_q), (q, rows_q), (k, rows_k), (v, rows_k))]
+                parts += [out[None, rows_q], lse[None, :, rows_q], sink, scale, left, right]
+                grads = [t[None, r] for t, r in ((dq, rows_q), (dk, rows_k), (dv, rows_k))]
+                dsink += TorchAttentionBackend.backward(*parts, *grads)
+            return dsink
         p, _ = _probabilities(q, k, sink, scale, left, right)
         group = q.shape[2] // k.shape[2]
         dof = _heads_first(do)
@@ -106,6 +124,15 @@ class TorchAttentionBackend(KernelBackend):
         return _sink_grad(sink, lse, delta)
 
     execute = forward
+
+
+def _sequences(varlen: Varlen) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of each packed sequence."""
+    bounds_q, bounds_k = varlen.cu_seqlens_q.tolist(), varlen.cu_seqlens_k.tolist()
+    return [
+        (slice(bounds_q[i], bounds_q[i + 1]), slice(bounds_k[i], bounds_k[i + 1]))
+        for i in range(len(bounds_q) - 1)
+    ]
 
 
 def _sink_grad(sink: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -132,13 +159,16 @@ class TritonAttentionBackend(KernelBackend):
         return None
 
     @staticmethod
-    def forward(q, k, v, sink, scale, left, right, out, **_: Any) -> torch.Tensor:
-        return flash_attn_fwd_triton(q, k, v, sink, scale, left, right, out)
+    def forward(q, k, v, sink, scale, left, right, out, varlen=None, **_: Any) -> torch.Tensor:
+        return flash_attn_fwd_triton(q, k, v, sink, scale, left, right, out, varlen)
 
     @staticmethod
-    def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, **_: Any) -> torch.Tensor:
-        delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).contiguous()
-        flash_attn_bwd_triton(do, q, k, v, lse, delta, scale, left, right, dq, dk, dv)
+    def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, varlen=None, **_: Any):
+        rowsum = (do.float() * out.float()).sum(-1)  # [B, Sq, Hq], or [T, Hq] packed
+        delta = (rowsum.t() if varlen is not None else rowsum.permute(0, 2, 1)).contiguous()
+        flash_attn_bwd_triton(do, q, k, v, lse, delta, scale, left, right, dq, dk, dv, varlen)
+        if varlen is not None:  # the sink gradient sums over the packed tokens as over a batch
+            return _sink_grad(sink, lse[None], delta[None])
         return _sink_grad(sink, lse, delta)
 
     execute = forward
@@ -154,18 +184,13 @@ class AttentionDispatcher(AutoKernelDispatcher):
     }
 
     @classmethod
-    def make_key(cls, q, k, v, sink, left, right, **_: Any) -> Hashable:
-        return (
-            q.device.type,
-            *q.shape,
-            k.shape[1],
-            k.shape[2],
-            v.shape[3],
-            q.dtype,
-            left,
-            right,
-            sink is None,
-        )
+    def make_key(cls, q, k, v, sink, left, right, varlen=None, **_: Any) -> Hashable:
+        if varlen is None:
+            shape = (*q.shape, *k.shape[1:], v.shape[-1])
+        else:  # packed token counts change every batch: key on the longest sequences instead
+            lengths = (varlen.max_seqlen_q, varlen.max_seqlen_k)
+            shape = ("varlen", *lengths, *q.shape[1:], *k.shape[1:], v.shape[-1])
+        return (q.device.type, *shape, q.dtype, left, right, sink is None)
 
     @classmethod
     def default_backend(cls, q, **_: Any) -> BackendType:
@@ -174,7 +199,7 @@ class AttentionDispatcher(AutoKernelDispatcher):
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         q, v = kwargs["q"], kwargs["v"]
-        return {**kwargs, "out": empty_in_layout(q, (*q.shape[:3], v.shape[3]))}
+        return {**kwargs, "out": empty_in_layout(q, (*q.shape[:-1], v.shape[-1]))}
 
 
 def resolve_attention_backend(
@@ -185,12 +210,12 @@ def resolve_attention_backend(
     scale: float,
     left: int,
     right: int,
+    varlen: Varlen | None = None,
 ) -> str:
     """Name of the backend that runs this call's forward and backward."""
     choice = GlobalBackendManager.get_attn_backend(precision_of(q.dtype))
-    return AttentionDispatcher.resolve(
-        choice, q=q, k=k, v=v, sink=sink, scale=scale, left=left, right=right
-    ).name
+    kwargs = dict(q=q, k=k, v=v, sink=sink, scale=scale, left=left, right=right, varlen=varlen)
+    return AttentionDispatcher.resolve(choice, **kwargs).name
 
 
 def _backend(name: str) -> type[KernelBackend]:
@@ -244,3 +269,64 @@ def flash_attn_bwd_impl(
 def _flash_attn_bwd_fake(do, q, k, v, out, lse, sink, scale, left, right, backend):
     dq, dk, dv = (empty_in_layout(t, t.shape) for t in (q, k, v))
     return dq, dk, dv, q.new_empty((q.shape[2],), dtype=torch.float32)
+
+
+@custom_op("primus_turbo::flash_attn_varlen_fwd", mutates_args=())
+def flash_attn_varlen_fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sink: torch.Tensor | None,
+    scale: float,
+    left: int,
+    right: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: (out [Tq, Hq, Dv] in q's layout, lse fp32 [Hq, Tq]) on the named backend."""
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = empty_in_layout(q, (*q.shape[:2], v.shape[2]))
+    lse = _backend(backend).forward(q, k, v, sink, scale, left, right, out, varlen)
+    return out, lse
+
+
+@flash_attn_varlen_fwd_impl.register_fake
+def _flash_attn_varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, sink, scale, left, right, backend):
+    out = empty_in_layout(q, (*q.shape[:2], v.shape[2]))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@custom_op("primus_turbo::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd_impl(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sink: torch.Tensor | None,
+    scale: float,
+    left: int,
+    right: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed sequences: (dq, dk, dv in the layouts of q, k, v; dsink fp32 [Hq], zeros without a sink)."""
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv = (empty_in_layout(t, t.shape) for t in (q, k, v))
+    dsink = _backend(backend).backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, varlen)
+    return dq, dk, dv, dsink
+
+
+@flash_attn_varlen_bwd_impl.register_fake
+def _flash_attn_varlen_bwd_fake(
+    do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, sink, scale, left, right, backend
+):
+    dq, dk, dv = (empty_in_layout(t, t.shape) for t in (q, k, v))
+    return dq, dk, dv, q.new_empty((q.shape[1],), dtype=torch.float32)

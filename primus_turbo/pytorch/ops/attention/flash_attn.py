@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from primus_turbo.common.constants import ENV_DEBUG_CHECKS
 from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
+    Varlen,
     flash_attn_bwd_impl,
     flash_attn_fwd_impl,
+    flash_attn_varlen_bwd_impl,
+    flash_attn_varlen_fwd_impl,
     resolve_attention_backend,
 )
 from primus_turbo.triton.attention import MAX_HEAD_DIM
 
-__all__ = ["flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -48,6 +54,30 @@ class _FlashAttnFunction(torch.autograd.Function):
             ctx.backend,
         )
         return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None
+
+
+class _FlashAttnVarlenFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, sink, scale, left, right, backend):
+        packing = (cu_q, cu_k, max_q, max_k)
+        out, lse = call_op(flash_attn_varlen_fwd_impl, q, k, v, *packing, sink, scale, left, right, backend)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sink)
+        ctx.lengths, ctx.scale, ctx.window, ctx.backend = (max_q, max_k), scale, (left, right), backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, cu_q, cu_k, sink = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv, dsink = call_op(
+            flash_attn_varlen_bwd_impl,
+            grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, sink, ctx.scale, *ctx.window, ctx.backend,
+        )  # fmt: skip
+        dsink = dsink if sink is not None else None
+        return dq, dk, dv, None, None, None, None, dsink, None, None, None, None
 
 
 def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -137,4 +167,92 @@ def flash_attn_func(
         out, lse = _FlashAttnFunction.apply(q, k, v, sink, scale, left, right, backend)
     else:
         out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend)
+    return (out, lse) if return_lse else out
+
+
+def _check_cu_seqlens(cu_q, cu_k, max_q, max_k, tokens_q: int, tokens_k: int, device: torch.device) -> None:
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        check_tensor(name, cu, dim=1)
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on {device} with q, got {cu.device}")
+    if cu_q.numel() < 1 or cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must both hold B + 1 offsets, "
+            f"got {cu_q.numel()} and {cu_k.numel()}"
+        )
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    # the offsets' values: where they already are on the host, or when asked; never while compiling
+    if torch.compiler.is_compiling():
+        return
+    if cu_q.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
+        return
+    for name, cu, tokens, longest in (
+        ("cu_seqlens_q", cu_q, tokens_q, max_q),
+        ("cu_seqlens_k", cu_k, tokens_k, max_k),
+    ):
+        lengths = cu.diff()
+        if int(cu[0]) != 0 or int(cu[-1]) != tokens or bool((lengths < 0).any()):
+            raise ValueError(f"{name} must rise from 0 to {tokens} (the packed tokens), got {cu.tolist()}")
+        if lengths.numel() and int(lengths.max()) > longest:
+            raise ValueError(
+                f"{name} holds a sequence of {int(lengths.max())} tokens, over the max of {longest}"
+            )
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    sink: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_func`` over packed sequences (THD): ``q`` [Tq, Hq, Dqk], ``k`` [Tk, Hkv, Dqk],
+    ``v`` [Tk, Hkv, Dv], where sequence ``i`` holds rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (int32
+    [B + 1] on the tensors' device) of at most ``max_seqlen`` tokens. Masks, windows and sinks apply per
+    sequence. Returns ``out`` [Tq, Hq, Dv] (and the fp32 ``lse`` [Hq, Tq] with ``return_lse``). The
+    offsets' values are checked where they are on the host, or with ``PRIMUS_TURBO_DEBUG_CHECKS=1``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dim=3)
+    scale = _check_args(q[None], k[None], v[None], dropout_p, softmax_scale, sink)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    _check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], q.device
+    )
+    left, right = _window(causal, window_size)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    backend = resolve_attention_backend(q, k, v, sink, scale, left, right, varlen)
+    args = (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        sink,
+        scale,
+        left,
+        right,
+        backend,
+    )
+    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, sink))
+    if torch.is_grad_enabled() and needs_grad:
+        out, lse = _FlashAttnVarlenFunction.apply(*args)
+    else:
+        out, lse = call_op(flash_attn_varlen_fwd_impl, *args)
     return (out, lse) if return_lse else out
