@@ -18,6 +18,7 @@
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   GROUPED=1           also run the grouped GEMM benchmark (GROUPED_SHAPES, default quick)
+#   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -91,6 +92,11 @@ if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo --fused-fp8 \
     --shapes "${NORM_ACT_SHAPES:-quick}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
     | grep -v " INFO {" | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
+fi
+if [ "${ATTN:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_attention_turbo \
+    --seqs "${ATTN_SEQS:-2048,4096,8192}" -o "$OUT/attention.csv" 2>&1 | grep -v " INFO {" \
+    | tee "$OUT/bench_attention.log" || status=1
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

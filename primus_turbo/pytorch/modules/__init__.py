@@ -1,7 +1,8 @@
 """``nn.Module`` wrappers over Turbo ops."""
 
+from primus_turbo.pytorch.modules.attention import TurboAttention
 from primus_turbo.pytorch.modules.grouped_linear import GroupedLinear
 from primus_turbo.pytorch.modules.linear import Float8Linear, Linear
 from primus_turbo.pytorch.modules.normalization import RMSNorm
 
-__all__ = ["Float8Linear", "GroupedLinear", "Linear", "RMSNorm"]
+__all__ = ["Float8Linear", "GroupedLinear", "Linear", "RMSNorm", "TurboAttention"]
