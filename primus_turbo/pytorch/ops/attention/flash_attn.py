@@ -24,6 +24,23 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _kernel_grad(grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output gradient in the inputs' dtype with unit stride along the head dimension."""
+    grad_out = grad_out.to(dtype)
+    return grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+
+
+def _run(function: type[torch.autograd.Function], forward_op, args: tuple, grads_from, return_lse: bool):
+    """Through ``function`` when a gradient is needed (any of ``grads_from`` requires one), else the
+    forward custom op alone; ``out`` or ``(out, lse)``."""
+    needs_grad = any(t is not None and t.requires_grad for t in grads_from)
+    if torch.is_grad_enabled() and needs_grad:
+        out, lse = function.apply(*args)
+    else:
+        out, lse = call_op(forward_op, *args)
+    return (out, lse) if return_lse else out
+
+
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, scale, left, right, backend):
@@ -36,9 +53,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        grad_out = grad_out.to(q.dtype)
-        if grad_out.stride(-1) != 1:
-            grad_out = grad_out.contiguous()
+        grad_out = _kernel_grad(grad_out, q.dtype)
         dq, dk, dv, dsink = call_op(
             flash_attn_bwd_impl,
             grad_out,
@@ -69,9 +84,7 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, cu_q, cu_k, sink = ctx.saved_tensors
-        grad_out = grad_out.to(q.dtype)
-        if grad_out.stride(-1) != 1:
-            grad_out = grad_out.contiguous()
+        grad_out = _kernel_grad(grad_out, q.dtype)
         dq, dk, dv, dsink = call_op(
             flash_attn_varlen_bwd_impl,
             grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, sink, ctx.scale, *ctx.window, ctx.backend,
@@ -162,12 +175,8 @@ def flash_attn_func(
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     left, right = _window(causal, window_size)
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right)
-    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, sink))
-    if torch.is_grad_enabled() and needs_grad:
-        out, lse = _FlashAttnFunction.apply(q, k, v, sink, scale, left, right, backend)
-    else:
-        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend)
-    return (out, lse) if return_lse else out
+    args = (q, k, v, sink, scale, left, right, backend)
+    return _run(_FlashAttnFunction, flash_attn_fwd_impl, args, (q, k, v, sink), return_lse)
 
 
 def _check_cu_seqlens(cu_q, cu_k, max_q, max_k, tokens_q: int, tokens_k: int, device: torch.device) -> None:
@@ -250,9 +259,4 @@ def flash_attn_varlen_func(
         right,
         backend,
     )
-    needs_grad = any(t is not None and t.requires_grad for t in (q, k, v, sink))
-    if torch.is_grad_enabled() and needs_grad:
-        out, lse = _FlashAttnVarlenFunction.apply(*args)
-    else:
-        out, lse = call_op(flash_attn_varlen_fwd_impl, *args)
-    return (out, lse) if return_lse else out
+    return _run(_FlashAttnVarlenFunction, flash_attn_varlen_fwd_impl, args, (q, k, v, sink), return_lse)
