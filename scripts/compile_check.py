@@ -351,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
                 torch.empty_like(v),
             ),
         )
+    q8, kv8 = torch.empty(2, 1024, 16, 128, dtype=e4m3), torch.empty(2, 1024, 4, 128, dtype=e4m3)
+    scales = (torch.empty(2, 16, 16), torch.empty(2, 4, 16), torch.empty(2, 4, 16))
+    attempt(
+        "attention forward fp8 d=128 causal",
+        lambda: attn.flash_attn_fwd_triton(
+            q8, kv8, kv8, None, 0.1, -1, 0, torch.empty(2, 1024, 16, 128, dtype=bf16), None, scales
+        ),
+    )
     print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)
     return 0 if ok else 1
 

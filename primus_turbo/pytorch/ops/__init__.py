@@ -8,7 +8,7 @@ from primus_turbo.pytorch.ops.activation import (
     swiglu_fp8,
     swiglu_with_probs,
 )
-from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func
+from primus_turbo.pytorch.ops.attention import flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_func
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
@@ -29,6 +29,7 @@ __all__ = [
     "QuantizedTensor",
     "dequantize_fp4",
     "dequantize_fp8",
+    "flash_attn_fp8_func",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "geglu",

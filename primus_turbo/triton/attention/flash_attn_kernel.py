@@ -25,9 +25,10 @@ import triton.language as tl
 
 from primus_turbo.triton.utils.device_info import interpreter_active
 
-__all__ = ["MAX_HEAD_DIM", "Varlen", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
+__all__ = ["FP8_BLOCK", "MAX_HEAD_DIM", "Varlen", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
 
 MAX_HEAD_DIM = 256
+FP8_BLOCK = 64  # tokens per FP8 scale block: one attention tile
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -94,6 +95,9 @@ def _attn_fwd_kernel(
     lse_ptr,
     cu_q_ptr,
     cu_k_ptr,
+    qs_ptr,
+    ks_ptr,
+    vs_ptr,
     stride_qb,
     stride_qs,
     stride_qh,
@@ -121,6 +125,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -145,6 +150,11 @@ def _attn_fwd_kernel(
     )
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0 * stride_ks
     v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0 * stride_vs
+    if FP8:  # one scale per (batch, head, 64-token block) of q, k and v; a tile is one block
+        q_blocks = tl.cdiv(S_Q, BLOCK_M)
+        k_blocks = tl.cdiv(S_K, BLOCK_N)
+        kv_scales = (b * (H_Q // GROUP) + hk).to(tl.int64) * k_blocks
+        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + tl.program_id(0))
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
@@ -169,7 +179,10 @@ def _attn_fwd_kernel(
             mask=col_ok[:, None] & (d_v < D_V)[None, :],
             other=0.0,
         )
-        s = tl.dot(q, k) * scale_log2
+        if FP8:
+            s = tl.dot(q, k) * (scale_log2 * tl.load(ks_ptr + kv_scales + start_n // BLOCK_N))
+        else:
+            s = tl.dot(q, k) * scale_log2
         s = tl.where(
             _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf")
         )
@@ -178,7 +191,14 @@ def _attn_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if FP8:
+            # P in [0, 1] scaled by 2^8 keeps small probabilities out of E4M3's subnormal range
+            pv = tl.dot((p * 256.0).to(v.dtype), v) * (
+                tl.load(vs_ptr + kv_scales + start_n // BLOCK_N) / 256.0
+            )
+            acc = acc * alpha[:, None] + pv
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -470,9 +490,14 @@ def flash_attn_fwd_triton(
     window_right: int,
     out: torch.Tensor,
     varlen: Varlen | None = None,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` [B, Sq, Hq, Dv] (any layout; packed [T, Hq, Dv] with ``varlen``) and return the
-    natural-log ``lse``, fp32 [B, Hq, Sq] (packed: [Hq, T])."""
+    natural-log ``lse``, fp32 [B, Hq, Sq] (packed: [Hq, T]).
+
+    With ``fp8_scales`` (dense only) q, k and v are FP8 and the scales are the fp32 ``scale_inv`` of each
+    ``FP8_BLOCK``-token block per head: [B, Hq, ceil(Sq / FP8_BLOCK)] for q, [B, Hkv, ...] for k and v;
+    both products run on FP8 operands."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
     shape = (h_q, q.shape[0]) if varlen is not None else (b, h_q, s_q)
     lse = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -480,6 +505,8 @@ def flash_attn_fwd_triton(
         return lse
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
     block_m, block_n, warps = _blocks(d_qk, d_v)
+    if fp8_scales is not None:
+        block_m = block_n = FP8_BLOCK
     grid = (triton.cdiv(s_q, block_m), b * h_q)
     _attn_fwd_kernel[grid](
         q,
@@ -490,6 +517,7 @@ def flash_attn_fwd_triton(
         lse,
         cu_q,
         cu_k,
+        *(fp8_scales if fp8_scales is not None else (lse, lse, lse)),
         *_bsh(q),
         *_bsh(k),
         *_bsh(v),
@@ -509,6 +537,7 @@ def flash_attn_fwd_triton(
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0,
         HAS_SINK=sink is not None,
+        FP8=fp8_scales is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_DQK=max(16, triton.next_power_of_2(d_qk)),

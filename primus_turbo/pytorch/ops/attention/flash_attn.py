@@ -24,7 +24,7 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _kernel_grad(grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def kernel_grad(grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The output gradient in the inputs' dtype with unit stride along the head dimension."""
     grad_out = grad_out.to(dtype)
     return grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
@@ -53,7 +53,7 @@ class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        grad_out = _kernel_grad(grad_out, q.dtype)
+        grad_out = kernel_grad(grad_out, q.dtype)
         dq, dk, dv, dsink = call_op(
             flash_attn_bwd_impl,
             grad_out,
@@ -84,7 +84,7 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, cu_q, cu_k, sink = ctx.saved_tensors
-        grad_out = _kernel_grad(grad_out, q.dtype)
+        grad_out = kernel_grad(grad_out, q.dtype)
         dq, dk, dv, dsink = call_op(
             flash_attn_varlen_bwd_impl,
             grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, sink, ctx.scale, *ctx.window, ctx.backend,
@@ -93,7 +93,8 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, dsink, None, None, None, None
 
 
-def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+def window_bounds(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """(left, right) key bounds around the diagonal (-1: unbounded); causal caps right at 0."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if (
@@ -108,7 +109,15 @@ def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
     return left, right
 
 
-def _check_args(q, k, v, dropout_p, softmax_scale, sink) -> float:
+def check_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float | None,
+    sink: torch.Tensor | None,
+) -> float:
+    """Shapes, dtypes, devices, strides and options of a dense attention call; returns the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dim=4)
         if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -170,10 +179,10 @@ def flash_attn_func(
     path; it is accepted for API compatibility. ``return_lse`` also returns the fp32 log-sum-exp
     [B, Hq, Sq].
     """
-    scale = _check_args(q, k, v, dropout_p, softmax_scale, sink)
+    scale = check_attention_args(q, k, v, dropout_p, softmax_scale, sink)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    left, right = _window(causal, window_size)
+    left, right = window_bounds(causal, window_size)
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right)
     args = (q, k, v, sink, scale, left, right, backend)
     return _run(_FlashAttnFunction, flash_attn_fwd_impl, args, (q, k, v, sink), return_lse)
@@ -236,13 +245,13 @@ def flash_attn_varlen_func(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dim=3)
-    scale = _check_args(q[None], k[None], v[None], dropout_p, softmax_scale, sink)
+    scale = check_attention_args(q[None], k[None], v[None], dropout_p, softmax_scale, sink)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     _check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], q.device
     )
-    left, right = _window(causal, window_size)
+    left, right = window_bounds(causal, window_size)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right, varlen)
     args = (
