@@ -165,8 +165,9 @@ def test_opcheck():
     q, k, v = (t.detach() for t in (q, k, v))
     backend = "TRITON" if ON_GPU else "TORCH"
     args = (q, k, v, s.detach(), 0.25, -1, 0, backend)
-    torch.library.opcheck(impl.flash_attn_fwd_impl, args)
-    out, lse = impl.flash_attn_fwd_impl(*args)
+    torch.library.opcheck(impl.flash_attn_fwd_impl, (*args, True))
+    torch.library.opcheck(impl.flash_attn_fwd_impl, (q, k, v, None, 0.25, -1, -1, "TORCH", False))
+    out, lse = impl.flash_attn_fwd_impl(*args, True)
     torch.library.opcheck(impl.flash_attn_bwd_impl, (torch.randn_like(out), q, k, v, out, lse, *args[3:]))
 
 

@@ -81,14 +81,41 @@ def _probabilities(q, k, sink, scale, left, right):
     return torch.exp(scores - safe[..., None]), lse
 
 
+def _sdpa_covers(q: torch.Tensor, k: torch.Tensor, sink, left: int, right: int) -> bool:
+    """Whether ``scaled_dot_product_attention`` computes this call: no sink, no left window, no mask or
+    a causal one on square scores (where its top-left alignment is the bottom-right one), no empty axis."""
+    if sink is not None or left >= 0 or 0 in (*q.shape[:3], k.shape[1]):
+        return False
+    return right < 0 or (right == 0 and q.shape[1] == k.shape[1])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, right: int) -> torch.Tensor:
+    """SDPA on [B, H, S, D] views of the [B, S, H, D] inputs (PyTorch picks cuDNN, flash, efficient, math)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=right == 0,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
 class TorchAttentionBackend(KernelBackend):
-    """The fp32 math definition: materializes the [Sq, Sk] scores per head; packed sequences run one
-    by one (their lengths are read on the host). Any device, any dtype."""
+    """PyTorch. The forward is ``scaled_dot_product_attention`` where that computes the call and the
+    log-sum-exp is not asked for (the lse it returns then holds zeros), else the fp32 math definition.
+    The backward is the math definition (it recomputes P, so it never reads the lse), which materializes
+    the [Sq, Sk] scores per head. Packed sequences run one by one (their lengths are read on the host).
+    Any device, any dtype."""
 
     autotune = False
 
     @staticmethod
-    def forward(q, k, v, sink, scale, left, right, out, varlen=None, **_: Any) -> torch.Tensor:
+    def forward(q, k, v, sink, scale, left, right, out, varlen=None, need_lse=True, **_: Any) -> torch.Tensor:
+        if varlen is None and not need_lse and _sdpa_covers(q, k, sink, left, right):
+            out.copy_(_sdpa(q, k, v, scale, right))
+            return torch.zeros((q.shape[0], q.shape[2], q.shape[1]), device=q.device)  # not computed
         if varlen is not None:
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
             for rows_q, rows_k in _sequences(varlen):
@@ -232,15 +259,17 @@ def flash_attn_fwd_impl(
     left: int,
     right: int,
     backend: str,
+    need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Sq, Hq, Dv] in q's layout, lse fp32 [B, Hq, Sq]) on the named backend."""
+    """(out [B, Sq, Hq, Dv] in q's layout, lse fp32 [B, Hq, Sq]) on the named backend. Without
+    ``need_lse`` the TORCH backend may return zeros for lse: its backward does not read it."""
     out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
-    lse = _backend(backend).forward(q, k, v, sink, scale, left, right, out)
+    lse = _backend(backend).forward(q, k, v, sink, scale, left, right, out, need_lse=need_lse)
     return out, lse
 
 
 @flash_attn_fwd_impl.register_fake
-def _flash_attn_fwd_fake(q, k, v, sink, scale, left, right, backend):
+def _flash_attn_fwd_fake(q, k, v, sink, scale, left, right, backend, need_lse):
     out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
     return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 

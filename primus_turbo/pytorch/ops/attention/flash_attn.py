@@ -43,8 +43,8 @@ def _run(function: type[torch.autograd.Function], forward_op, args: tuple, grads
 
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sink, scale, left, right, backend):
-        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend)
+    def forward(ctx, q, k, v, sink, scale, left, right, backend, need_lse):
+        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend, need_lse)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.scale, ctx.left, ctx.right, ctx.backend = scale, left, right, backend
         ctx.mark_non_differentiable(lse)
@@ -68,7 +68,7 @@ class _FlashAttnFunction(torch.autograd.Function):
             ctx.right,
             ctx.backend,
         )
-        return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None
+        return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None, None
 
 
 class _FlashAttnVarlenFunction(torch.autograd.Function):
@@ -184,7 +184,7 @@ def flash_attn_func(
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     left, right = window_bounds(causal, window_size)
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right)
-    args = (q, k, v, sink, scale, left, right, backend)
+    args = (q, k, v, sink, scale, left, right, backend, return_lse)
     return _run(_FlashAttnFunction, flash_attn_fwd_impl, args, (q, k, v, sink), return_lse)
 
 
