@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
+    from primus_turbo.triton.moe import router_kernel as router
     from primus_turbo.triton.normalization import rmsnorm_kernel as norm
     from primus_turbo.triton.quantization import fp4_quant_kernel as fp4q
     from primus_turbo.triton.quantization import fp8_quant_kernel as fp8q
@@ -358,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         lambda: attn.flash_attn_fwd_triton(
             q8, kv8, kv8, None, 0.1, -1, 0, torch.empty(2, 1024, 16, 128, dtype=bf16), None, scales
         ),
+    )
+    logits, bias = torch.empty(4096, 256), torch.empty(256)
+    attempt(
+        "moe router forward 256 experts, 8 groups",
+        lambda: router.router_fwd_triton(logits, bias, 8, 8, 4, False, 2.5),
+    )
+    routing = torch.empty(4096, 256, dtype=torch.bool)
+    attempt(
+        "moe router backward 256 experts",
+        lambda: router.router_bwd_triton(logits, routing, logits, logits, 8, False, 2.5),
     )
     print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)
     return 0 if ok else 1

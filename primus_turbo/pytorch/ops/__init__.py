@@ -14,6 +14,7 @@ from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
+from primus_turbo.pytorch.ops.moe import fused_group_topk_routing_with_aux_score
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_fp8, rmsnorm_residual
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
@@ -32,6 +33,7 @@ __all__ = [
     "flash_attn_fp8_func",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "fused_group_topk_routing_with_aux_score",
     "geglu",
     "geglu_fp8",
     "geglu_with_probs",

@@ -1,0 +1,114 @@
+"""MoE router forward + backward against the unfused PyTorch router, eager and compiled.
+
+Per MoE model of the config (experts, top-k; DeepSeek-V3 also with its 8 groups / 4 selected groups,
+sigmoid scores and expert bias) at ``--tokens``: time of ``fused_group_topk_routing_with_aux_score``
+forward and forward + backward (gradients from probs and from the aux scores) next to the same routing
+written in PyTorch (``tests``-style reference) run eagerly and under ``torch.compile``, all interleaved
+call by call (``time_interleaved``).
+
+Example::
+
+    python -m benchmark.ops.training.bench_moe_router --tokens 4096,16384 -o router.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import logging
+
+import torch
+import torch._dynamo.config
+import torch._functorch.config
+from tabulate import tabulate
+
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.config import MOE_MODELS
+
+LOG = logging.getLogger("bench_moe_router")
+
+
+def torch_router(logits, topk, groups, selected_groups, score_function, scaling, bias):
+    """The unfused router in plain PyTorch (Megatron's group-limited top-k)."""
+    x = logits.float()
+    scores = torch.softmax(x, dim=-1) if score_function == "softmax" else torch.sigmoid(x)
+    selection = scores.detach() + (bias if bias is not None else 0.0)
+    tokens, experts = x.shape
+    if groups > 1:
+        per_group = experts // groups
+        best = selection.view(tokens, groups, per_group).topk(topk // selected_groups, dim=-1)[0]
+        chosen = best.sum(-1).topk(selected_groups, dim=-1)[1]
+        mask = torch.zeros(tokens, groups, dtype=torch.bool, device=x.device).scatter(1, chosen, True)
+        selection = selection.masked_fill(~mask.repeat_interleave(per_group, dim=1), float("-inf"))
+    top = selection.topk(topk, dim=-1)[1]
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device=x.device).scatter(1, top, True)
+    picked = scores.gather(1, top)
+    if score_function == "sigmoid" and topk > 1:
+        picked = picked / (picked.sum(-1, keepdim=True) + 1e-20)
+    probs = torch.zeros_like(scores).scatter(1, top, picked) * scaling
+    aux = scores if score_function == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    return probs, routing_map, aux
+
+
+def _step(call, grads) -> None:
+    """Forward, then backward from probs and the aux scores."""
+    probs, _, aux = call()
+    torch.autograd.backward((probs, aux), grads)
+
+
+def cases():
+    """(label, experts, topk, groups, selected groups, score function, scaling, with bias)."""
+    for model in MOE_MODELS.values():
+        yield model.name, model.num_experts, model.topk, 1, 1, "softmax", 1.0, False
+    ds = MOE_MODELS["DeepSeek-V3"]
+    yield "DeepSeek-V3 grouped", ds.num_experts, ds.topk, 8, 4, "sigmoid", 2.5, True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time every (case, token count), print the table and write the CSV."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("-o", "--output", default="bench_moe_router.csv")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    torch._functorch.config.donated_buffer = False
+    torch._dynamo.config.recompile_limit = 256
+    from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score
+
+    rows = []
+    for label, experts, topk, groups, selected, function, scaling, with_bias in cases():
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            logits = torch.randn(tokens, experts, device=args.device, requires_grad=True)
+            bias = torch.randn(experts, device=args.device) * 0.1 if with_bias else None
+            options = (topk, groups, selected, function, scaling, bias)
+            calls = {
+                "turbo": functools.partial(fused_group_topk_routing_with_aux_score, logits, *options),
+                "eager": functools.partial(torch_router, logits, *options),
+                "compiled": functools.partial(torch.compile(torch_router), logits, *options),
+            }
+            grads = (torch.randn_like(logits), torch.randn_like(logits))
+            with torch.no_grad():
+                fwd = time_interleaved(list(calls.values()), None, args.device)
+            steps = [functools.partial(_step, call, grads) for call in calls.values()]
+            both = time_interleaved(steps, [logits], args.device)
+            row = {"Case": label, "Tokens": tokens, "Experts": experts, "Topk": topk, "Groups": groups}
+            for name, f, fb in zip(calls, fwd, both, strict=True):
+                row[f"{name} fwd us"], row[f"{name} fwd+bwd us"] = f * 1e3, fb * 1e3
+            row["fwd+bwd vs eager"] = row["eager fwd+bwd us"] / row["turbo fwd+bwd us"]
+            row["fwd+bwd vs compiled"] = row["compiled fwd+bwd us"] / row["turbo fwd+bwd us"]
+            row["Platform"] = platform_name(args.device)
+            rows.append(row)
+            LOG.info("%s", {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    columns = ["Case", "Tokens", "Experts", "Topk", "Groups", "turbo fwd+bwd us", "eager fwd+bwd us"]
+    columns += ["compiled fwd+bwd us", "fwd+bwd vs eager", "fwd+bwd vs compiled"]
+    print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
+    with open(args.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

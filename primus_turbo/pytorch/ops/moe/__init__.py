@@ -1,0 +1,5 @@
+"""MoE operators."""
+
+from primus_turbo.pytorch.ops.moe.router import fused_group_topk_routing_with_aux_score
+
+__all__ = ["fused_group_topk_routing_with_aux_score"]
