@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
+    from primus_turbo.triton.moe import permute_kernel as permute
     from primus_turbo.triton.moe import router_kernel as router
     from primus_turbo.triton.normalization import rmsnorm_kernel as norm
     from primus_turbo.triton.quantization import fp4_quant_kernel as fp4q
@@ -370,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         "moe router backward 256 experts",
         lambda: router.router_bwd_triton(logits, routing, logits, logits, 8, False, 2.5),
     )
+    hidden, rows_map = torch.empty(4096, 7168, dtype=bf16), torch.empty(4096, 256, dtype=torch.int32)
+    src, permuted = torch.empty(32768, dtype=torch.int32), torch.empty(32768, 7168, dtype=bf16)
+    attempt("moe permute (gather rows)", lambda: permute.gather_rows_triton(hidden, src, torch.empty(32768)))
+    attempt("moe unpermute (merge rows)", lambda: permute.merge_rows_triton(permuted, rows_map, logits))
+    attempt("moe unpermute weight grad", lambda: permute.route_dots_triton(hidden, permuted, rows_map))
     print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)
     return 0 if ok else 1
 

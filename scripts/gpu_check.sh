@@ -19,7 +19,7 @@
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   GROUPED=1           also run the grouped GEMM benchmark (GROUPED_SHAPES, default quick)
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
-#   ROUTER=1            also run the MoE router benchmark
+#   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -99,9 +99,11 @@ if [ "${ATTN:-0}" = 1 ]; then
     --seqs "${ATTN_SEQS:-2048,4096,8192}" -o "$OUT/attention.csv" 2>&1 | grep -v " INFO {" \
     | tee "$OUT/bench_attention.log" || status=1
 fi
-if [ "${ROUTER:-0}" = 1 ]; then
-  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_moe_router \
-    -o "$OUT/moe_router.csv" 2>&1 | grep -v " INFO {" | tee "$OUT/bench_moe_router.log" || status=1
+if [ "${MOE:-0}" = 1 ]; then
+  for bench in moe_router moe_permute; do
+    timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m "benchmark.ops.training.bench_$bench" \
+      -o "$OUT/$bench.csv" 2>&1 | grep -v " INFO {" | tee "$OUT/bench_$bench.log" || status=1
+  done
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

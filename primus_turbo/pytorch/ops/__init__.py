@@ -14,7 +14,12 @@ from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
-from primus_turbo.pytorch.ops.moe import fused_group_topk_routing_with_aux_score
+from primus_turbo.pytorch.ops.moe import (
+    fused_group_topk_routing_with_aux_score,
+    moe_permute,
+    moe_unpermute,
+    tokens_per_expert_to_mask,
+)
 from primus_turbo.pytorch.ops.normalization import rmsnorm, rmsnorm_fp8, rmsnorm_residual
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
@@ -42,6 +47,8 @@ __all__ = [
     "gemm_fp8",
     "grouped_gemm",
     "grouped_gemm_fp8",
+    "moe_permute",
+    "moe_unpermute",
     "quantize_fp4",
     "quantize_fp4_with_trans",
     "quantize_fp8",
@@ -52,4 +59,5 @@ __all__ = [
     "swiglu",
     "swiglu_fp8",
     "swiglu_with_probs",
+    "tokens_per_expert_to_mask",
 ]

@@ -1,5 +1,11 @@
 """MoE operators."""
 
+from primus_turbo.pytorch.ops.moe.permute import moe_permute, moe_unpermute, tokens_per_expert_to_mask
 from primus_turbo.pytorch.ops.moe.router import fused_group_topk_routing_with_aux_score
 
-__all__ = ["fused_group_topk_routing_with_aux_score"]
+__all__ = [
+    "fused_group_topk_routing_with_aux_score",
+    "moe_permute",
+    "moe_unpermute",
+    "tokens_per_expert_to_mask",
+]

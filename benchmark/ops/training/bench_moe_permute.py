@@ -1,0 +1,102 @@
+"""MoE permute and unpermute against the unfused PyTorch path, effective bandwidth.
+
+Per MoE model of the config at ``--tokens``: random top-k routing over the model's experts; times of
+``moe_permute`` and ``moe_unpermute`` (forward) next to the unfused PyTorch path (permute: ``index_select``
+of the tokens in expert-major order; unpermute: probability-weighted ``index_add_``), interleaved call by
+call. Effective bandwidth counts the bytes each must move: permute reads T x H and writes T x K x H,
+unpermute reads T x K x H and writes T x H (bf16).
+
+Example::
+
+    python -m benchmark.ops.training.bench_moe_permute --tokens 4096 -o permute.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import logging
+
+import torch
+from tabulate import tabulate
+
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.config import MOE_MODELS
+
+LOG = logging.getLogger("bench_moe_permute")
+
+
+def torch_permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-major rows by ``index_select`` (the unfused path); also returns the source token per row."""
+    order = routing_map.t().contiguous().nonzero()[:, 1]
+    return tokens.index_select(0, order), order
+
+
+def torch_unpermute(
+    permuted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, tokens: int
+) -> torch.Tensor:
+    """Probability-weighted sum back to the tokens by ``index_add_`` (the unfused path)."""
+    out = torch.zeros(tokens, permuted.shape[1], dtype=torch.float32, device=permuted.device)
+    out.index_add_(0, order, permuted.float() * weights[:, None])
+    return out.to(permuted.dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time permute and unpermute per model, print the table and write the CSV."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="4096")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("-o", "--output", default="bench_moe_permute.csv")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from primus_turbo.pytorch.ops import moe_permute, moe_unpermute
+
+    rows = []
+    for model in MOE_MODELS.values():
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            experts, topk, hidden = model.num_experts, model.topk, model.hidden
+            scores = torch.rand(tokens, experts, device=args.device)
+            top = scores.topk(topk, dim=-1).indices
+            routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+            probs = torch.rand(tokens, experts, device=args.device) * routing_map
+            x = torch.randn(tokens, hidden, device=args.device, dtype=torch.bfloat16)
+            permuted, row_id_map, _, _, _ = moe_permute(x, routing_map, num_local_experts=experts)
+            reference, order = torch_permute(x, routing_map)
+            check = "PASS" if torch.equal(permuted, reference) else "FAIL"
+            weights = probs.t()[routing_map.t()]
+            turbo_permute = functools.partial(
+                moe_permute, x, routing_map, num_local_experts=experts, num_permuted_tokens=tokens * topk
+            )
+            calls = [
+                turbo_permute,
+                functools.partial(torch_permute, x, routing_map),
+                functools.partial(moe_unpermute, permuted, row_id_map, probs),
+                functools.partial(torch_unpermute, reference, order, weights, tokens),
+            ]
+            with torch.no_grad():
+                times = time_interleaved(calls, None, args.device)
+            moved = (tokens + tokens * topk) * hidden * x.element_size()
+            row = {"Model": model.name, "Tokens": tokens, "Hidden": hidden, "Experts": experts, "Topk": topk}
+            row["Check"] = check
+            for name, ms in zip(
+                ("permute", "torch permute", "unpermute", "torch unpermute"), times, strict=True
+            ):
+                row[f"{name} us"] = ms * 1e3
+                row[f"{name} TB/s"] = moved / ms / 1e9
+            row["permute vs torch"] = times[1] / times[0]
+            row["unpermute vs torch"] = times[3] / times[2]
+            row["Platform"] = platform_name(args.device)
+            rows.append(row)
+            LOG.info("%s", {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    columns = ["Model", "Tokens", "Check", "permute TB/s", "torch permute TB/s", "unpermute TB/s"]
+    columns += ["torch unpermute TB/s", "permute vs torch", "unpermute vs torch"]
+    print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
+    with open(args.output, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""MoE permutation: permute / unpermute against loop references, forward and backward, from routing maps
+and from top-k indices with dropped routes, padding, fixed row counts, empty experts, FP8 scales carried,
+the op contract and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.kernels.moe import permute_impl as impl
+from primus_turbo.pytorch.ops import moe_permute, moe_unpermute, tokens_per_expert_to_mask
+from tests.pytorch.ref.permutation_ref import permute_ref, permuted_probs_ref, unpermute_ref
+from tests.pytorch.test_utils import DEVICES
+
+DEVICE = DEVICES[0]
+
+
+def _routing(tokens, experts, topk, seed=0, empty_expert=None):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    if empty_expert is not None:
+        scores[:, empty_expert] = -1.0
+    top = scores.topk(topk, dim=-1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, top, True)
+    probs = torch.rand(tokens, experts, generator=gen) * routing_map
+    return top.to(DEVICE), routing_map.to(DEVICE), probs.to(DEVICE)
+
+
+def _tokens(tokens, hidden, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pad_multiple", [0, 16])
+def test_round_trip_matches_reference(pad_multiple, dtype):
+    _, routing_map, probs = _routing(37, 8, 3, empty_expert=5)
+    x = _tokens(37, 24, dtype)
+    weights = probs.clone().requires_grad_()
+    permuted, row_id_map, tokens_per_expert, permuted_probs, _ = moe_permute(
+        x, routing_map, weights, num_local_experts=8, pad_multiple=pad_multiple
+    )
+    expected = permute_ref(x.detach(), routing_map, pad_multiple)
+    assert torch.equal(permuted, expected)
+    assert torch.equal(tokens_per_expert.cpu(), routing_map.sum(0).cpu()) and tokens_per_expert[5] == 0
+    assert row_id_map.dtype == torch.int32 and ((row_id_map >= 0) == routing_map).all()
+    torch.testing.assert_close(permuted_probs, permuted_probs_ref(probs.float(), routing_map, pad_multiple))
+    # a per-row transform between the two, as the experts would apply
+    scale = torch.linspace(0.5, 2.0, permuted.shape[0], device=DEVICE)[:, None]
+    out = moe_unpermute(permuted * scale.to(dtype), row_id_map, weights)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = probs.clone().requires_grad_()
+    ref = unpermute_ref(
+        permute_ref(x_ref, routing_map, pad_multiple) * scale.to(dtype), routing_map, w_ref, pad_multiple
+    )
+    ref.backward(grad)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(x.grad.float(), x_ref.grad.float(), **tol)
+    torch.testing.assert_close(weights.grad.float(), w_ref.grad.float() * routing_map, **tol)
+
+
+def test_topk_indices_with_dropped_routes_and_topk_probs():
+    top, _, _ = _routing(20, 6, 2, seed=3)
+    top[::4, 1] = -1  # dropped second choice
+    routing_map = torch.zeros(20, 7, dtype=torch.bool, device=DEVICE).scatter(
+        1, torch.where(top < 0, 6, top), True
+    )[:, :6]
+    topk_probs = torch.rand(20, 2, device=DEVICE).requires_grad_()
+    x = _tokens(20, 8)
+    permuted, row_id_map, counts, permuted_probs, _ = moe_permute(x, top, topk_probs, num_local_experts=6)
+    assert torch.equal(permuted, permute_ref(x.detach(), routing_map))
+    assert int(counts.sum()) == int(routing_map.sum()) == 35
+    out = moe_unpermute(permuted, row_id_map, topk_probs, topk_indices=top)
+    expected = x.detach() * torch.where(top >= 0, topk_probs.detach(), 0.0).sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expected)
+    (out.sum() + permuted_probs.sum()).backward()
+    assert topk_probs.grad[::4, 1].abs().sum() == 0 and x.grad is not None
+
+
+def test_fixed_row_count_pads_or_drops_without_host_sync():
+    _, routing_map, probs = _routing(16, 4, 2, seed=4)
+    x = _tokens(16, 8)
+    permuted, row_id_map, counts, _, _ = moe_permute(
+        x, routing_map, num_local_experts=4, num_permuted_tokens=40
+    )
+    assert permuted.shape == (40, 8) and permuted[32:].abs().sum() == 0
+    mask = tokens_per_expert_to_mask(counts, 40)
+    assert int(mask.sum()) == 32 and bool(mask[:32].all())
+    short, short_map, _, _, _ = moe_permute(x, routing_map, num_local_experts=4, num_permuted_tokens=10)
+    assert short.shape == (10, 8) and int((short_map >= 0).sum()) == 10
+    assert torch.equal(short, permute_ref(x.detach(), routing_map)[:10])
+    padded_mask = tokens_per_expert_to_mask(torch.tensor([3, 0, 5], device=DEVICE), 24, pad_multiple=4)
+    assert padded_mask.tolist() == [True] * 3 + [False] + [True] * 5 + [False] * 15
+
+
+def test_fp8_scales_follow_their_tokens():
+    _, routing_map, _ = _routing(12, 4, 2, seed=5)
+    x = _tokens(12, 32).detach().to(torch.float8_e4m3fn)
+    scales = torch.rand(12, 2, device=DEVICE)
+    permuted, _, _, _, permuted_scales = moe_permute(x, routing_map, num_local_experts=4, scales=scales)
+    assert permuted.dtype == torch.float8_e4m3fn
+    assert torch.equal(permuted.view(torch.uint8), permute_ref(x.view(torch.uint8), routing_map))
+    assert torch.equal(permuted_scales, permute_ref(scales, routing_map))
+
+
+def test_opcheck_and_compile():
+    _, routing_map, probs = _routing(10, 4, 2, seed=6)
+    x = _tokens(10, 16).detach()
+    row_id_map, _, rows = impl.destination_rows(routing_map, 4, -1)
+    src, _ = impl.source_rows(row_id_map, rows)
+    torch.library.opcheck(impl.moe_gather_rows_impl, (x, src, None))
+    torch.library.opcheck(impl.moe_gather_rows_impl, (x, src, torch.rand(rows, device=DEVICE)))
+    y = torch.randn(rows, 16, device=DEVICE)
+    torch.library.opcheck(impl.moe_merge_rows_impl, (y, row_id_map, probs))
+    torch.library.opcheck(impl.moe_route_dots_impl, (x, y, row_id_map))
+    torch._dynamo.reset()
+
+    def layer(x, w):
+        permuted, row_id_map, _, _, _ = moe_permute(
+            x, routing_map, num_local_experts=4, num_permuted_tokens=32
+        )
+        return moe_unpermute(permuted * 2.0, row_id_map, w)
+
+    leaf, weights = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(leaf, weights)
+    out.sum().backward()
+    torch.testing.assert_close(out, layer(x, probs))
+    assert leaf.grad is not None and weights.grad is not None
+
+
+def test_bad_input_raises_clear_error():
+    top, routing_map, probs = _routing(8, 4, 2)
+    x = _tokens(8, 4).detach()
+    with pytest.raises(ValueError, match="columns"):
+        moe_permute(x, routing_map, num_local_experts=5)
+    with pytest.raises(TypeError, match="int32/int64"):
+        moe_permute(x, top.float(), num_local_experts=4)
+    with pytest.raises(ValueError, match="rows for"):
+        moe_permute(x[:7], routing_map, num_local_experts=4)
+    with pytest.raises(ValueError, match="probs must match"):
+        moe_permute(x, routing_map, probs[:, :2], num_local_experts=4)
+    with pytest.raises(ValueError, match="pad_multiple"):
+        moe_permute(x, routing_map, num_local_experts=4, pad_multiple=-1)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="top-k indices"):
+            moe_permute(x, top + 3, num_local_experts=4)
+    with pytest.raises(TypeError, match="int32 map"):
+        moe_unpermute(x, routing_map.long())
+
+
+def test_torch_fallback_matches_the_kernels(monkeypatch):
+    _, routing_map, probs = _routing(14, 5, 2, seed=8)
+    x = _tokens(14, 20).detach()
+    row_id_map, _, rows = impl.destination_rows(routing_map, 8, -1)
+    src, _ = impl.source_rows(row_id_map, rows)
+    y = torch.randn(rows, 20, device=DEVICE)
+    scale = torch.rand(rows, device=DEVICE)
+    kernels = (
+        impl.moe_gather_rows_impl(x, src, scale),
+        impl.moe_merge_rows_impl(y, row_id_map, probs),
+        impl.moe_route_dots_impl(x, y, row_id_map),
+    )
+    monkeypatch.setattr(impl, "triton_runs_on", lambda device: False)
+    fallback = (
+        impl.moe_gather_rows_impl(x, src, scale),
+        impl.moe_merge_rows_impl(y, row_id_map, probs),
+        impl.moe_route_dots_impl(x, y, row_id_map),
+    )
+    for mine, theirs in zip(kernels, fallback, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
