@@ -16,6 +16,8 @@ from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
 from primus_turbo.pytorch.ops.moe import (
     fused_group_topk_routing_with_aux_score,
+    moe_combine,
+    moe_dispatch,
     moe_permute,
     moe_unpermute,
     tokens_per_expert_to_mask,
@@ -47,6 +49,8 @@ __all__ = [
     "gemm_fp8",
     "grouped_gemm",
     "grouped_gemm_fp8",
+    "moe_combine",
+    "moe_dispatch",
     "moe_permute",
     "moe_unpermute",
     "quantize_fp4",
