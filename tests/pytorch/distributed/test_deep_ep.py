@@ -6,7 +6,8 @@ the weighted-identity round trip, gradients, and bad input raising on every rank
 from __future__ import annotations
 
 import os
-import socket
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -19,24 +20,23 @@ from primus_turbo.pytorch.ops import moe_combine, moe_dispatch
 TOKENS, HIDDEN = 24, 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, body_name: str, args: tuple) -> None:
+def _worker(rank: int, world: int, store: str, body_name: str, args: tuple) -> None:
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        globals()[body_name](rank, world, *args)
-        dist.barrier()  # nobody tears down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
+    # a file store: no TCP server thread in rank 0 to outlive (and abort) at exit
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    globals()[body_name](rank, world, *args)  # an exception reaches mp.spawn, which reports it
+    dist.barrier()  # nobody tears down while a peer still talks to it
+    dist.destroy_process_group()
+    # skip interpreter teardown: gloo's threads can abort it ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(world: int, body, *args) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), body.__name__, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        mp.spawn(_worker, args=(world, store, body.__name__, args), nprocs=world, join=True)
 
 
 def _inputs(rank: int, experts: int, topk: int, mode: str):
@@ -75,7 +75,8 @@ def _round_trip_body(rank: int, world: int, experts: int, topk: int, mode: str, 
     x, idx, w = _inputs(rank, experts, topk, mode)
     x.requires_grad_()
     w.requires_grad_()
-    recv_x, recv_idx, recv_w, tokens_per_expert, handle = moe_dispatch(x, idx, w, experts, num_worst_tokens=worst)
+    dispatched = moe_dispatch(x, idx, w, experts, num_worst_tokens=worst)
+    recv_x, recv_idx, recv_w, tokens_per_expert, handle = dispatched
     exp_x, exp_idx, exp_w = _expected_received(rank, world, experts, topk, mode)
     count = exp_x.shape[0]
     if worst:
