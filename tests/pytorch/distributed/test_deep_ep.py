@@ -136,3 +136,41 @@ def test_dispatch_combine_round_trip(world, experts, topk, mode, worst):
 @pytest.mark.multigpu
 def test_bad_input_raises_on_every_rank():
     _spawn(2, _bad_input_body)
+
+
+def _token_dispatcher_body(rank: int, world: int, worst: int) -> None:
+    from primus_turbo.pytorch.modules import DeepEPTokenDispatcher
+
+    experts, topk, pad = 8, 2, 4
+    gen = torch.Generator().manual_seed(50 + rank)
+    hidden = torch.randn(3, TOKENS // 3, HIDDEN, generator=gen).requires_grad_()
+    logits = torch.randn(TOKENS, experts, generator=gen)
+    top = logits.topk(topk, dim=-1).indices
+    routing_map = torch.zeros(TOKENS, experts, dtype=torch.bool).scatter(1, top, True)
+    probs = torch.softmax(logits, dim=-1) * routing_map
+    capacity = world * TOKENS * topk + experts * pad if worst else -1
+    dispatcher = DeepEPTokenDispatcher(
+        experts, topk, pad_multiple=pad, permute_max_token_num=capacity, num_worst_tokens=worst
+    )
+    permuted, tokens_per_expert, permuted_probs = dispatcher.token_dispatch(hidden, probs, routing_map)
+    # global expert e scales its rows by e + 1 and applies the rows' routing probabilities
+    local = experts // world
+    padded = (tokens_per_expert + pad - 1) // pad * pad
+    starts = padded.cumsum(0) - padded
+    expert_scale = torch.zeros(permuted.shape[0])
+    for e in range(local):
+        begin = int(starts[e])
+        expert_scale[begin : begin + int(tokens_per_expert[e])] = rank * local + e + 1.0
+    out = dispatcher.token_combine(permuted * (expert_scale * permuted_probs)[:, None])
+    assert out.shape == hidden.shape
+    weights = (probs * (torch.arange(experts) + 1.0)).sum(dim=1, keepdim=True)
+    expected = hidden.detach().reshape(TOKENS, HIDDEN) * weights
+    torch.testing.assert_close(out.reshape(TOKENS, HIDDEN), expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    torch.testing.assert_close(hidden.grad.reshape(TOKENS, HIDDEN), weights.expand(TOKENS, HIDDEN))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("worst", [0, 2 * TOKENS])
+def test_token_dispatcher_runs_the_moe_data_path(worst):
+    _spawn(2, _token_dispatcher_body, worst)
