@@ -3,8 +3,8 @@
 Per MoE model of the config (experts, top-k; DeepSeek-V3 also with its 8 groups / 4 selected groups,
 sigmoid scores and expert bias) at ``--tokens``: time of ``fused_group_topk_routing_with_aux_score``
 forward and forward + backward (gradients from probs and from the aux scores) next to the same routing
-written in PyTorch (``tests``-style reference) run eagerly and under ``torch.compile``, all interleaved
-call by call (``time_interleaved``).
+in plain PyTorch ops (``router_fwd_reference``) run eagerly and under ``torch.compile``, all interleaved call
+by call (``time_interleaved``).
 
 Example::
 
@@ -27,28 +27,6 @@ from benchmark.ops.training.bench_utils import platform_name, time_interleaved
 from benchmark.ops.training.config import MOE_MODELS
 
 LOG = logging.getLogger("bench_moe_router")
-
-
-def torch_router(logits, topk, groups, selected_groups, score_function, scaling, bias):
-    """The unfused router in plain PyTorch (Megatron's group-limited top-k)."""
-    x = logits.float()
-    scores = torch.softmax(x, dim=-1) if score_function == "softmax" else torch.sigmoid(x)
-    selection = scores.detach() + (bias if bias is not None else 0.0)
-    tokens, experts = x.shape
-    if groups > 1:
-        per_group = experts // groups
-        best = selection.view(tokens, groups, per_group).topk(topk // selected_groups, dim=-1)[0]
-        chosen = best.sum(-1).topk(selected_groups, dim=-1)[1]
-        mask = torch.zeros(tokens, groups, dtype=torch.bool, device=x.device).scatter(1, chosen, True)
-        selection = selection.masked_fill(~mask.repeat_interleave(per_group, dim=1), float("-inf"))
-    top = selection.topk(topk, dim=-1)[1]
-    routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device=x.device).scatter(1, top, True)
-    picked = scores.gather(1, top)
-    if score_function == "sigmoid" and topk > 1:
-        picked = picked / (picked.sum(-1, keepdim=True) + 1e-20)
-    probs = torch.zeros_like(scores).scatter(1, top, picked) * scaling
-    aux = scores if score_function == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    return probs, routing_map, aux
 
 
 def _step(call, grads) -> None:
@@ -75,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch._functorch.config.donated_buffer = False
     torch._dynamo.config.recompile_limit = 256
+    from primus_turbo.pytorch.kernels.moe.router_impl import router_fwd_reference
     from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score
 
     rows = []
@@ -83,10 +62,12 @@ def main(argv: list[str] | None = None) -> None:
             logits = torch.randn(tokens, experts, device=args.device, requires_grad=True)
             bias = torch.randn(experts, device=args.device) * 0.1 if with_bias else None
             options = (topk, groups, selected, function, scaling, bias)
+            # the peer: the same routing written in plain PyTorch ops (the library's reference path)
+            plain = (bias, topk, groups, selected, function == "softmax", scaling)
             calls = {
                 "turbo": functools.partial(fused_group_topk_routing_with_aux_score, logits, *options),
-                "eager": functools.partial(torch_router, logits, *options),
-                "compiled": functools.partial(torch.compile(torch_router), logits, *options),
+                "eager": functools.partial(router_fwd_reference, logits, *plain),
+                "compiled": functools.partial(torch.compile(router_fwd_reference), logits, *plain),
             }
             grads = (torch.randn_like(logits), torch.randn_like(logits))
             with torch.no_grad():

@@ -67,6 +67,16 @@ def _route(sel, col_ok, TOPK: tl.constexpr, GROUPS: tl.constexpr, SELECTED_GROUP
 
 
 @triton.jit
+def _tile(T, E, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(offsets, mask, column mask) of this program's [ROWS, BLOCK_E] block of a contiguous [T, E]."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    offs = rows[:, None].to(tl.int64) * E + cols[None, :]
+    return offs, (rows < T)[:, None] & col_ok[None, :], col_ok
+
+
+@triton.jit
 def _router_fwd_kernel(
     logits_ptr,
     bias_ptr,
@@ -84,17 +94,13 @@ def _router_fwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
-    col_ok = cols < E
-    offs = rows[:, None].to(tl.int64) * E + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
+    offs, mask, col_ok = _tile(T, E, ROWS, BLOCK_E)
     logits = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _scores(logits, col_ok, SOFTMAX)
     sel = s
     if HAS_BIAS:
-        sel = s + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + tl.arange(0, BLOCK_E), mask=col_ok, other=0.0).to(tl.float32)
+        sel = s + bias[None, :]
     routed = _route(sel, col_ok, TOPK, GROUPS, SELECTED_GROUPS, ROWS, BLOCK_E)
     picked = tl.where(routed, s, 0.0)
     if SOFTMAX:
@@ -126,12 +132,7 @@ def _router_bwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
-    col_ok = cols < E
-    offs = rows[:, None].to(tl.int64) * E + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
+    offs, mask, col_ok = _tile(T, E, ROWS, BLOCK_E)
     logits = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     routed = tl.load(map_ptr + offs, mask=mask, other=0) != 0
     dprobs = tl.load(dprobs_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scaling_factor
