@@ -11,7 +11,12 @@ paths:
   ``num_recv_tokens_per_expert_list`` is a host list;
 - ``num_worst_tokens > 0``: every rank pair exchanges a fixed block of ``T`` rows, received rows are
   compacted on the device into ``num_worst_tokens`` rows (padding rows have top-k indices -1), and nothing
-  syncs with the host, so the call can be captured in a CUDA graph. The list is then empty.
+  syncs with the host, so the call can be captured in a CUDA graph. The list is then empty. Every rank
+  must pass the same token count ``T`` (as sequence-parallel MoE layers do); received rows past
+  ``num_worst_tokens`` are dropped.
+
+``topk_idx`` values are checked where they are on the host (or with ``PRIMUS_TURBO_DEBUG_CHECKS=1``),
+with one small all-reduce so that a bad value on one rank raises on all of them.
 
 The per-rank sums of ``combine`` run rank by rank in a fixed order, so results are deterministic.
 """
@@ -19,11 +24,13 @@ The per-rank sums of ``combine`` run rank by rank in a fixed order, so results a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from primus_turbo.common.constants import ENV_DEBUG_CHECKS
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 
 __all__ = ["Buffer", "Config", "EventOverlap", "Handle"]
@@ -157,9 +164,17 @@ class Buffer:
             raise ValueError(
                 f"num_experts ({num_experts}) must be a multiple of the group size ({self.group_size})"
             )
-        if topk_idx.device.type == "cpu" and bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
+        # the values: where they are on the host, or when asked. Every rank learns whether any rank's are
+        # bad, so all raise together instead of some waiting in the next collective.
+        if topk_idx.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
+            return
+        bad = bool(((topk_idx < -1) | (topk_idx >= num_experts)).any())
+        flag = torch.tensor([int(bad)], dtype=torch.int32, device=topk_idx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()):
+            mine = f"{topk_idx.min()}..{topk_idx.max()}" if topk_idx.numel() else "none"
             raise ValueError(
-                f"topk_idx values must lie in [-1, {num_experts}), got {topk_idx.min()}..{topk_idx.max()}"
+                f"topk_idx values must lie in [-1, {num_experts}) on every rank; this rank's: {mine}"
             )
 
     def get_dispatch_layout(

@@ -109,7 +109,12 @@ def _bad_input_body(rank: int, world: int) -> None:
         moe_dispatch(torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2).half(), 8)
     with pytest.raises(ValueError, match="low-latency"):
         Buffer(dist.group.WORLD, low_latency_mode=True)
-    # a collective still works afterwards: nobody was left waiting
+    # a bad value on one rank only: every rank raises, none is left waiting in a collective
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    if rank == 0:
+        idx[0, 0] = 99
+    with pytest.raises(ValueError, match="on every rank"):
+        buffer.get_dispatch_layout(idx, 8)
     dist.barrier()
 
 

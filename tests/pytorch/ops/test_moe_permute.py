@@ -171,3 +171,24 @@ def test_torch_fallback_matches_the_kernels(monkeypatch):
     )
     for mine, theirs in zip(kernels, fallback, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_fallback_takes_empty_and_fp8_inputs(monkeypatch):
+    monkeypatch.setattr(impl, "triton_runs_on", lambda device: False)
+    x = torch.randn(6, 8, device=DEVICE)
+    nothing = torch.full((6, 2), -1, dtype=torch.int64, device=DEVICE)
+    permuted, row_id_map, counts, _, _ = moe_permute(x, nothing, num_local_experts=4)
+    assert permuted.shape == (0, 8) and int(counts.sum()) == 0
+    assert not moe_unpermute(permuted, row_id_map).any()
+    _, routing_map, _ = _routing(6, 4, 2)
+    fp8 = x.to(torch.float8_e4m3fn)
+    permuted, _, _, _, _ = moe_permute(fp8, routing_map, num_local_experts=4, num_permuted_tokens=16)
+    expected = permute_ref(fp8.view(torch.uint8), routing_map)
+    assert torch.equal(permuted.view(torch.uint8)[: expected.shape[0]], expected)
+
+
+def test_counts_leave_out_routes_past_a_fixed_row_count():
+    _, routing_map, _ = _routing(16, 4, 2, seed=4)
+    x = _tokens(16, 8).detach()
+    _, row_id_map, counts, _, _ = moe_permute(x, routing_map, num_local_experts=4, num_permuted_tokens=10)
+    assert int(counts.sum()) == int((row_id_map >= 0).sum()) == 10

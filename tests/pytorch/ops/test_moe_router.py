@@ -138,3 +138,18 @@ def test_bad_input_raises_clear_error(kwargs, error, match):
         route(logits, **options)
     with pytest.raises(TypeError, match="logits.dtype"):
         route(logits.int(), 2)
+
+
+def test_strided_bias_and_ties_route_alike_on_both_paths():
+    wide = torch.zeros(16, device=DEVICE)
+    wide[14] = 10.0
+    bias = wide[0::2]  # expert 7 biased, a strided view
+    logits, _ = _inputs(4, 8, False)
+    _, routing_map, _ = route(logits.detach(), 2, score_function="sigmoid", expert_bias=bias)
+    assert routing_map[:, 7].all()
+    # equal scores: both paths pick the lowest expert indices
+    flat = torch.zeros(3, 64, device=DEVICE)
+    options = (4, 8, 2, False, 1.0)
+    fused = impl.moe_router_fwd_impl(flat, None, *options)[1]
+    reference = impl.router_fwd_reference(flat, None, *options)[1]
+    assert torch.equal(fused, reference) and fused[:, :4].all()

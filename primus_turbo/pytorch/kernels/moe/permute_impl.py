@@ -29,8 +29,8 @@ def destination_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(row_id_map int32 [T, E], tokens_per_expert int64 [E], rows) for a bool ``routing_map`` [T, E].
 
-    ``num_rows > 0`` fixes the row count (routes past it get -1) and keeps everything on the device;
-    otherwise the count of padded rows is read on the host.
+    ``num_rows > 0`` fixes the row count (routes past it get -1 and are not counted) and keeps
+    everything on the device; otherwise the count of padded rows is read on the host.
     """
     counts = routing_map.sum(dim=0)
     padded = counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
@@ -38,8 +38,9 @@ def destination_rows(
     rank = routing_map.to(torch.int64).cumsum(0) - 1
     dest = torch.where(routing_map, first_row[None, :] + rank, -1)
     rows = num_rows if num_rows > 0 else int(padded.sum())
-    if num_rows > 0:
+    if num_rows > 0:  # routes past the fixed row count are dropped and no longer counted
         dest = torch.where(dest < rows, dest, -1)
+        counts = (dest >= 0).sum(dim=0)
     return dest.to(torch.int32), counts, rows
 
 
@@ -61,14 +62,19 @@ def source_rows(row_id_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
     return src_token[:rows], src_expert[:rows]
 
 
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` with zero rows where ``index < 0`` (a spare zero row, so empty ``x`` and FP8 work)."""
+    padded = torch.cat([x, x.new_zeros((1, x.shape[1]))])
+    return padded[torch.where(index >= 0, index.long(), x.shape[0])]
+
+
 @custom_op("primus_turbo::moe_gather_rows", mutates_args=())
 def moe_gather_rows_impl(x: torch.Tensor, src: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor:
     """[len(src), H]: ``x[src[r]]`` (times ``row_scale[r]``), zeros where ``src[r] < 0``."""
     if triton_runs_on(x.device):
         scale = row_scale.contiguous() if row_scale is not None else None
         return gather_rows_triton(x.contiguous(), src.contiguous(), scale)
-    valid = (src >= 0)[:, None]
-    rows = x[src.clamp(min=0).long()] * valid
+    rows = _rows(x, src)
     return (rows.float() * row_scale[:, None]).to(x.dtype) if row_scale is not None else rows
 
 
@@ -86,7 +92,7 @@ def moe_merge_rows_impl(
         weights = weights.contiguous() if weights is not None else None
         return merge_rows_triton(y.contiguous(), row_id_map.contiguous(), weights)
     routed = row_id_map >= 0
-    rows = y[row_id_map.clamp(min=0).long()].float()  # [T, E, H]
+    rows = _rows(y, row_id_map).float()  # [T, E, H]
     scale = routed.float() if weights is None else torch.where(routed, weights.float(), 0.0)
     return (rows * scale[..., None]).sum(dim=1).to(y.dtype)
 
@@ -101,7 +107,7 @@ def moe_route_dots_impl(g: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tens
     """fp32 [T, E]: ``<g[t], y[row_id_map[t, e]]>`` for routed pairs, 0 elsewhere (merge-weight gradient)."""
     if triton_runs_on(g.device):
         return route_dots_triton(g.contiguous(), y.contiguous(), row_id_map.contiguous())
-    rows = y[row_id_map.clamp(min=0).long()].float()
+    rows = _rows(y, row_id_map).float()
     return torch.where(row_id_map >= 0, (rows * g.float()[:, None, :]).sum(-1), 0.0)
 
 

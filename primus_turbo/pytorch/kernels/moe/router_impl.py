@@ -20,6 +20,11 @@ def _scores(logits: torch.Tensor, softmax: bool) -> torch.Tensor:
     return torch.softmax(x, dim=-1) if softmax else torch.sigmoid(x)
 
 
+def _best(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values per row, ties to the lower index (as the kernel's argmax)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def router_fwd_reference(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -36,10 +41,10 @@ def router_fwd_reference(
     if groups > 1:
         group_score = sel.view(tokens, groups, -1).topk(topk // selected_groups, dim=-1).values.sum(-1)
         keep = torch.zeros(tokens, groups, dtype=torch.bool, device=logits.device)
-        keep.scatter_(1, group_score.topk(selected_groups, dim=-1).indices, True)
+        keep.scatter_(1, _best(group_score, selected_groups), True)
         sel = sel.masked_fill(~keep.repeat_interleave(experts // groups, dim=1), float("-inf"))
     routing = torch.zeros(tokens, experts, dtype=torch.bool, device=logits.device)
-    routing.scatter_(1, sel.topk(topk, dim=-1).indices, True)
+    routing.scatter_(1, _best(sel, topk), True)
     picked = torch.where(routing, s, 0.0)
     if softmax:
         probs, aux = picked, s
@@ -89,7 +94,7 @@ def moe_router_fwd_impl(
     """(probs fp32 [T, E], routing map bool [T, E], aux-loss scores fp32 [T, E])."""
     args = (topk, groups, selected_groups, softmax, scaling_factor)
     if triton_runs_on(logits.device):
-        return router_fwd_triton(logits.contiguous(), bias, *args)
+        return router_fwd_triton(logits.contiguous(), bias.contiguous() if bias is not None else None, *args)
     return router_fwd_reference(logits, bias, *args)
 
 

@@ -83,8 +83,8 @@ def moe_dispatch(
     ``group``): ``(recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle)``. Received top-k
     indices are local to this rank (-1 for experts elsewhere, weight 0 there); ``tokens_per_expert``
     (int64, on the device) counts the received routes per local expert. ``num_worst_tokens > 0`` fixes
-    the received row count and avoids every host sync. Differentiable in ``x`` and ``topk_weights``
-    (fp32)."""
+    the received row count and avoids every host sync (every rank must then pass the same T).
+    Differentiable in ``x`` and ``topk_weights`` (fp32)."""
     group = group if group is not None else dist.group.WORLD
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
         raise ValueError(f"topk_weights must be float32 shaped like topk_idx {tuple(topk_idx.shape)}")

@@ -117,7 +117,8 @@ def moe_permute(
     token order, then expert 1's, ..., each expert's rows padded with zeros to a multiple of
     ``pad_multiple``; N is their total, read on the host, unless ``num_permuted_tokens > 0`` fixes it
     (routes past it are dropped: their ``row_id_map`` entry is -1). ``row_id_map`` int32 [T, E] names each
-    route's row; ``tokens_per_expert`` is the int64 [E] route count per expert (unpadded, on the device).
+    route's row; ``tokens_per_expert`` is the int64 [E] count of kept routes per expert (unpadded, on
+    the device).
     ``probs`` ([T, E] or [T, K], like ``expert_map``) come out per row as fp32 ``permuted_probs`` [N];
     ``scales`` [T, S] (FP8 per-token scales) as ``permuted_scales`` [N, S]. Differentiable in ``tokens`` and
     ``probs``.
