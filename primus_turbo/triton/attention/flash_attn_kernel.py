@@ -17,6 +17,7 @@ kernel per query block accumulates dQ.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -126,13 +127,14 @@ def _attn_fwd_kernel(
     HAS_RIGHT: tl.constexpr,
     HAS_SINK: tl.constexpr,
     FP8: tl.constexpr,
+    P_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # batch x heads on axis 0: its limit is 2^31 - 1, axis 1's only 65535
+    start_m = tl.program_id(1) * BLOCK_M
     b = bh // H_Q
     h = bh % H_Q
     hk = h // GROUP
@@ -154,7 +156,7 @@ def _attn_fwd_kernel(
         q_blocks = tl.cdiv(S_Q, BLOCK_M)
         k_blocks = tl.cdiv(S_K, BLOCK_N)
         kv_scales = (b * (H_Q // GROUP) + hk).to(tl.int64) * k_blocks
-        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + tl.program_id(0))
+        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + tl.program_id(1))
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
@@ -192,11 +194,10 @@ def _attn_fwd_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            # P in [0, 1] scaled by 2^8 keeps small probabilities out of E4M3's subnormal range
-            pv = tl.dot((p * 256.0).to(v.dtype), v) * (
-                tl.load(vs_ptr + kv_scales + start_n // BLOCK_N) / 256.0
-            )
-            acc = acc * alpha[:, None] + pv
+            # P in [0, 1] times the largest power of two the FP8 type holds (256 for E4M3FN, 128 for
+            # E4M3FNUZ) keeps small probabilities out of its subnormal range
+            v_scale = tl.load(vs_ptr + kv_scales + start_n // BLOCK_N) / P_SCALE
+            acc = acc * alpha[:, None] + tl.dot((p * P_SCALE).to(v.dtype), v) * v_scale
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -262,8 +263,8 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    bhk = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
     b = bhk // H_KV
     hk = bhk % H_KV
     q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
@@ -385,8 +386,8 @@ def _attn_bwd_dq_kernel(
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # batch x heads on axis 0: its limit is 2^31 - 1, axis 1's only 65535
+    start_m = tl.program_id(1) * BLOCK_M
     b = bh // H_Q
     h = bh % H_Q
     hk = h // GROUP
@@ -473,6 +474,12 @@ def _dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen | No
     return b, s_q, k.shape[1], h_q, k.shape[2], d_qk, v.shape[3]
 
 
+def _bounded(window: int, s_q: int, s_k: int) -> int:
+    """A window bound that covers every key is unbounded (-1): large values would overflow int32 index
+    arithmetic in the kernels."""
+    return -1 if window >= s_q + s_k else window
+
+
 def _packing(varlen: Varlen | None, lse: torch.Tensor) -> tuple:
     """(cu_q, cu_k, lse batch stride, lse head stride, VARLEN) kernel arguments."""
     if varlen is None:
@@ -499,6 +506,7 @@ def flash_attn_fwd_triton(
     ``FP8_BLOCK``-token block per head: [B, Hq, ceil(Sq / FP8_BLOCK)] for q, [B, Hkv, ...] for k and v;
     both products run on FP8 operands."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
+    window_left, window_right = _bounded(window_left, s_q, s_k), _bounded(window_right, s_q, s_k)
     shape = (h_q, q.shape[0]) if varlen is not None else (b, h_q, s_q)
     lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     if lse.numel() == 0 or b * s_q == 0:
@@ -507,7 +515,7 @@ def flash_attn_fwd_triton(
     block_m, block_n, warps = _blocks(d_qk, d_v)
     if fp8_scales is not None:
         block_m = block_n = FP8_BLOCK
-    grid = (triton.cdiv(s_q, block_m), b * h_q)
+    grid = (b * h_q, triton.cdiv(s_q, block_m))
     _attn_fwd_kernel[grid](
         q,
         k,
@@ -538,6 +546,7 @@ def flash_attn_fwd_triton(
         HAS_RIGHT=window_right >= 0,
         HAS_SINK=sink is not None,
         FP8=fp8_scales is not None,
+        P_SCALE=2.0 ** math.floor(math.log2(torch.finfo(v.dtype).max)) if fp8_scales is not None else 1.0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_DQK=max(16, triton.next_power_of_2(d_qk)),
@@ -565,6 +574,7 @@ def flash_attn_bwd_triton(
     """Fill ``dq``, ``dk``, ``dv`` (layouts of q, k, v) from the saved ``lse`` and ``delta`` = rowsum(dO * O),
     both fp32 and shaped like the forward's ``lse``."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
+    window_left, window_right = _bounded(window_left, s_q, s_k), _bounded(window_right, s_q, s_k)
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
     block_m, block_n, warps = _blocks(d_qk, d_v)
     blocks = dict(
@@ -581,14 +591,14 @@ def flash_attn_bwd_triton(
         # dK and dV accumulate side by side over 32-row query blocks with 8 warps: no spills at d 128
         # or 192/128 (compile_check), where 64-row blocks with 4 warps spilled 680 B
         dkdv_blocks = blocks if interpreter_active() else {**blocks, "BLOCK_M": 32, "num_warps": 8}
-        _attn_bwd_dkdv_kernel[(triton.cdiv(s_k, block_n), b * h_kv)](
+        _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(s_k, block_n))](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv), stride_lb, stride_lh,
             h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
             **dkdv_blocks,
         )  # fmt: skip
     if s_q and b * h_q:
-        _attn_bwd_dq_kernel[(triton.cdiv(s_q, block_m), b * h_q)](
+        _attn_bwd_dq_kernel[(b * h_q, triton.cdiv(s_q, block_m))](
             q, k, v, do, lse, delta, dq, cu_q, cu_k,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq), stride_lb, stride_lh,
             h_q, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,

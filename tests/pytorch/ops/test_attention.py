@@ -322,3 +322,14 @@ def test_varlen_bad_offsets_raise_clear_error(monkeypatch):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6)
     with pytest.raises(ValueError, match="3-D"):
         flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 6, 6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+def test_window_bounds_beyond_the_sequences_mean_unbounded(backend):
+    GlobalBackendManager.set_attn_backend(backend)
+    q, k, v, _ = _inputs(1, 20, 13, (2, 1, 16, 16))
+    huge = flash_attn_func(q, k, v, window_size=(2**31 - 1, 2**31 - 1))
+    torch.testing.assert_close(huge, flash_attn_func(q, k, v), rtol=0, atol=0)
+    one_sided = flash_attn_func(q, k, v, window_size=(0, 2**31 - 1))
+    reference = attention_ref(q, k, v, 16**-0.5, window=(0, -1))
+    assert compute_snr(reference, one_sided) >= SNR_DB
