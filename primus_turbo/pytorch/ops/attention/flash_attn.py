@@ -93,8 +93,9 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, dsink, None, None, None, None
 
 
-def window_bounds(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
-    """(left, right) key bounds around the diagonal (-1: unbounded); causal caps right at 0."""
+def window_bounds(causal: bool, window_size: tuple[int, int], s_q: int, s_k: int) -> tuple[int, int]:
+    """(left, right) key bounds around the diagonal (-1: unbounded); causal caps right at 0, and a bound
+    that reaches past every key (>= Sq + Sk) is unbounded, so all backends compute the same thing."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if (
@@ -103,7 +104,7 @@ def window_bounds(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]
         or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
     ):
         raise ValueError(f"window_size must be two ints >= -1 (-1: unbounded), got {window_size!r}")
-    left, right = window_size
+    left, right = (-1 if bound >= s_q + s_k else bound for bound in window_size)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     return left, right
@@ -182,7 +183,7 @@ def flash_attn_func(
     scale = check_attention_args(q, k, v, dropout_p, softmax_scale, sink)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    left, right = window_bounds(causal, window_size)
+    left, right = window_bounds(causal, window_size, q.shape[1], k.shape[1])
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right)
     args = (q, k, v, sink, scale, left, right, backend, return_lse)
     return _run(_FlashAttnFunction, flash_attn_fwd_impl, args, (q, k, v, sink), return_lse)
@@ -251,7 +252,7 @@ def flash_attn_varlen_func(
     _check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0], q.device
     )
-    left, right = window_bounds(causal, window_size)
+    left, right = window_bounds(causal, window_size, max_seqlen_q, max_seqlen_k)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right, varlen)
     args = (

@@ -77,7 +77,7 @@ def flash_attn_fp8_func(
     scale = check_attention_args(q, k, v, 0.0, softmax_scale, None)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    left, right = window_bounds(causal, window_size)
+    left, right = window_bounds(causal, window_size, q.shape[1], k.shape[1])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         backend = resolve_attention_backend(q, k, v, None, scale, left, right)
         out, lse = _FlashAttnFp8Function.apply(q, k, v, scale, left, right, backend)
