@@ -179,3 +179,33 @@ def _token_dispatcher_body(rank: int, world: int, worst: int) -> None:
 @pytest.mark.parametrize("worst", [0, 2 * TOKENS])
 def test_token_dispatcher_runs_the_moe_data_path(worst):
     _spawn(2, _token_dispatcher_body, worst)
+
+
+def _moe_layer_body(rank: int, world: int) -> None:
+    from primus_turbo.pytorch.modules import DeepEPTokenDispatcher
+    from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score, grouped_gemm
+
+    experts, topk = 4, 2
+    local = experts // world
+    weights = torch.randn(experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(9)) * HIDDEN**-0.5
+    gen = torch.Generator().manual_seed(60 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).requires_grad_()
+    logits = torch.randn(TOKENS, experts, generator=gen)
+    probs, routing_map, _ = fused_group_topk_routing_with_aux_score(logits, topk, score_function="sigmoid")
+    dispatcher = DeepEPTokenDispatcher(experts, topk)
+    permuted, tokens_per_expert, permuted_probs = dispatcher.token_dispatch(x, probs, routing_map)
+    mine = weights[rank * local : (rank + 1) * local]
+    expert_out = grouped_gemm(permuted, mine, tokens_per_expert, trans_b=True) * permuted_probs[:, None]
+    out = dispatcher.token_combine(expert_out)
+    reference = sum(
+        probs[:, e : e + 1] * (x.detach() @ weights[e].t()) for e in range(experts)
+    )  # probs are 0 off the route
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    expected_grad = sum(probs[:, e : e + 1] * weights[e].sum(0)[None, :] for e in range(experts))
+    torch.testing.assert_close(x.grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multigpu
+def test_moe_layer_router_dispatch_grouped_gemm_combine():
+    _spawn(2, _moe_layer_body)
