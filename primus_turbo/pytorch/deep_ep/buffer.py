@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from primus_turbo.common.constants import ENV_DEBUG_CHECKS
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
+from primus_turbo.pytorch.kernels.moe.permute_impl import take_rows
 
 __all__ = ["Buffer", "Config", "EventOverlap", "Handle"]
 
@@ -321,10 +322,10 @@ class Buffer:
 
     def _send(self, rows: torch.Tensor, handle: Handle, fill: float = 0) -> torch.Tensor:
         """Rows of a [T, ...] tensor to the ranks the handle names, as received here."""
-        sent = _take(rows, handle.send_order, fill)
+        sent = take_rows(rows, handle.send_order, fill)
         if handle.recv_slots is None:
             return self._exchange(sent, handle.send_counts.tolist(), handle.recv_counts.tolist())
-        return _take(self._exchange(sent, None, None), handle.recv_slots, fill)
+        return take_rows(self._exchange(sent, None, None), handle.recv_slots, fill)
 
     def _return(self, rows: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Received-layout rows back to their sources, summed per token in fp32 in rank order."""
@@ -337,17 +338,8 @@ class Buffer:
             back = self._exchange(block[:slots], None, None)
         out = torch.zeros((handle.num_tokens, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
         sources = handle.send_order
-        valid = sources >= 0
-        for r in range(self.group_size):
-            block = slice(int(sum(handle.send_counts[:r])), int(sum(handle.send_counts[: r + 1])))
-            ids, ok = sources[block], valid[block]
-            out.index_add_(0, ids.clamp(min=0), back[block].float() * ok.view(-1, *([1] * (rows.dim() - 1))))
+        valid = (sources >= 0).view(-1, *([1] * (rows.dim() - 1)))
+        bounds = [0, *handle.send_counts.cumsum(0).tolist()]  # counts live on the host
+        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):  # each rank block holds a token once
+            out.index_add_(0, sources[begin:end].clamp(min=0), back[begin:end].float() * valid[begin:end])
         return out.to(rows.dtype)
-
-
-def _take(rows: torch.Tensor, index: torch.Tensor, fill: float) -> torch.Tensor:
-    """``rows[index]`` with ``fill`` where ``index < 0``."""
-    picked = rows[index.clamp(min=0)]
-    return torch.where(
-        (index >= 0).view(-1, *([1] * (rows.dim() - 1))), picked, torch.full_like(picked, fill)
-    )

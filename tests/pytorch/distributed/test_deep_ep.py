@@ -209,3 +209,16 @@ def _moe_layer_body(rank: int, world: int) -> None:
 @pytest.mark.multigpu
 def test_moe_layer_router_dispatch_grouped_gemm_combine():
     _spawn(2, _moe_layer_body)
+
+
+def _no_tokens_body(rank: int, world: int) -> None:
+    x, idx, w = torch.zeros(0, HIDDEN), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)
+    recv_x, recv_idx, _, tokens_per_expert, handle = moe_dispatch(x, idx, w, 8, num_worst_tokens=8)
+    assert recv_x.shape == (8, HIDDEN) and not recv_x.any() and (recv_idx == -1).all()
+    assert not tokens_per_expert.any()
+    assert moe_combine(recv_x, handle).shape == (0, HIDDEN)
+
+
+@pytest.mark.multigpu
+def test_fixed_size_path_with_no_tokens_anywhere():
+    _spawn(2, _no_tokens_body)

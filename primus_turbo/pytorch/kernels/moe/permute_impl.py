@@ -21,6 +21,7 @@ __all__ = [
     "moe_merge_rows_impl",
     "moe_route_dots_impl",
     "source_rows",
+    "take_rows",
 ]
 
 
@@ -62,9 +63,10 @@ def source_rows(row_id_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
     return src_token[:rows], src_expert[:rows]
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` with zero rows where ``index < 0`` (a spare zero row, so empty ``x`` and FP8 work)."""
-    padded = torch.cat([x, x.new_zeros((1, x.shape[1]))])
+def take_rows(x: torch.Tensor, index: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """``x[index]`` with rows of ``fill`` where ``index < 0``, through a spare row, so an empty ``x`` and
+    FP8 dtypes work."""
+    padded = torch.cat([x, torch.full((1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
     return padded[torch.where(index >= 0, index.long(), x.shape[0])]
 
 
@@ -74,7 +76,7 @@ def moe_gather_rows_impl(x: torch.Tensor, src: torch.Tensor, row_scale: torch.Te
     if triton_runs_on(x.device):
         scale = row_scale.contiguous() if row_scale is not None else None
         return gather_rows_triton(x.contiguous(), src.contiguous(), scale)
-    rows = _rows(x, src)
+    rows = take_rows(x, src)
     return (rows.float() * row_scale[:, None]).to(x.dtype) if row_scale is not None else rows
 
 
@@ -92,7 +94,7 @@ def moe_merge_rows_impl(
         weights = weights.contiguous() if weights is not None else None
         return merge_rows_triton(y.contiguous(), row_id_map.contiguous(), weights)
     routed = row_id_map >= 0
-    rows = _rows(y, row_id_map).float()  # [T, E, H]
+    rows = take_rows(y, row_id_map).float()  # [T, E, H]
     scale = routed.float() if weights is None else torch.where(routed, weights.float(), 0.0)
     return (rows * scale[..., None]).sum(dim=1).to(y.dtype)
 
@@ -107,7 +109,7 @@ def moe_route_dots_impl(g: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tens
     """fp32 [T, E]: ``<g[t], y[row_id_map[t, e]]>`` for routed pairs, 0 elsewhere (merge-weight gradient)."""
     if triton_runs_on(g.device):
         return route_dots_triton(g.contiguous(), y.contiguous(), row_id_map.contiguous())
-    rows = _rows(y, row_id_map).float()
+    rows = take_rows(y, row_id_map).float()
     return torch.where(row_id_map >= 0, (rows * g.float()[:, None, :]).sum(-1), 0.0)
 
 
