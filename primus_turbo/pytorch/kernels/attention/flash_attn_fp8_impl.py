@@ -27,15 +27,19 @@ def quantize_attention_blocks(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, blocks * block - s))
     amax = padded.unflatten(1, (blocks, block)).abs().amax(dim=(2, 4))  # [B, blocks, H]
     scale_inv = torch.where(amax > 0, amax / torch.finfo(float8_e4m3).max, torch.ones_like(amax))
-    expanded = scale_inv.repeat_interleave(block, dim=1)[:, :s, :, None]
+    scale_inv = scale_inv.permute(0, 2, 1).contiguous()
     quantized = empty_in_layout(x, x.shape, float8_e4m3)
-    quantized.copy_(x.float() / expanded)
-    return quantized, scale_inv.permute(0, 2, 1).contiguous()
+    quantized.copy_(x.float() / _per_token(scale_inv, block, s))
+    return quantized, scale_inv
+
+
+def _per_token(scale_inv: torch.Tensor, block: int, tokens: int) -> torch.Tensor:
+    """[B, H, blocks] block scales as [B, tokens, H, 1], each repeated over its block's tokens."""
+    return scale_inv.permute(0, 2, 1).repeat_interleave(block, dim=1)[:, :tokens, :, None]
 
 
 def _dequantize(x8: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    expanded = scale_inv.permute(0, 2, 1).repeat_interleave(block, dim=1)[:, : x8.shape[1], :, None]
-    return x8.float() * expanded
+    return x8.float() * _per_token(scale_inv, block, x8.shape[1])
 
 
 @custom_op("primus_turbo::flash_attn_fp8_fwd", mutates_args=())

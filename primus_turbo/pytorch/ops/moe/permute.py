@@ -86,9 +86,14 @@ def _routing_map(expert_map: torch.Tensor, experts: int) -> tuple[torch.Tensor, 
         raise ValueError(
             f"top-k indices must lie in [-1, {experts}), got {expert_map.min()}..{expert_map.max()}"
         )
-    index = torch.where(expert_map < 0, experts, expert_map).long()
+    index = _spare_column(expert_map, experts)
     routing = torch.zeros(expert_map.shape[0], experts + 1, dtype=torch.bool, device=expert_map.device)
     return routing.scatter_(1, index, True)[:, :experts], index
+
+
+def _spare_column(indices: torch.Tensor, experts: int) -> torch.Tensor:
+    """int64 top-k indices with dropped routes (-1) sent to a spare column ``experts``."""
+    return torch.where(indices < 0, experts, indices).long()
 
 
 def _probs_map(probs: torch.Tensor, index: torch.Tensor | None, experts: int) -> torch.Tensor:
@@ -179,9 +184,7 @@ def moe_unpermute(
                 raise ValueError(
                     f"probs {tuple(probs.shape)} must match topk_indices {tuple(topk_indices.shape)}"
                 )
-            probs_map = _probs_map(
-                probs, torch.where(topk_indices < 0, experts, topk_indices).long(), experts
-            )
+            probs_map = _probs_map(probs, _spare_column(topk_indices, experts), experts)
         elif tuple(probs.shape) != tuple(row_id_map.shape):
             raise ValueError(f"probs must be [T, E] = {tuple(row_id_map.shape)} (or pass topk_indices)")
         else:
