@@ -12,7 +12,7 @@
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
 #   TIMER=graph         time the GEMM benchmarks from CUDA-graph replays (device time only)
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
-#                       (FP8_SHAPES, default quick)
+#                       (FP8_SHAPES, default lowp)
 #   FP8_SWEEP=blockwise time every FP8 GEMM kernel config (tensorwise|rowwise|blockwise) on FP8_SWEEP_MNK
 #                       (default 8192x8192x8192) next to torch._scaled_mm
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
@@ -73,12 +73,12 @@ fi
 if [ "${FP8:-0}" = 1 ]; then
   for granularity in tensorwise rowwise blockwise mxfp8; do
     timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp8 \
-      --granularity "$granularity" --shapes "${FP8_SHAPES:-quick}" --backends "${FP8_BACKENDS:-HIPBLASLT,TRITON,AUTO}" \
+      --granularity "$granularity" --shapes "${FP8_SHAPES:-lowp}" --backends "${FP8_BACKENDS:-HIPBLASLT,TRITON,AUTO}" \
       --timer "${TIMER:-events}" -o "$OUT/gemm_fp8_${granularity}.csv" 2>&1 | grep -v "it/s\]" \
       | tee "$OUT/bench_fp8_${granularity}.log" || status=1
   done
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --dtype fp4 \
-    --shapes "${FP8_SHAPES:-quick}" --timer "${TIMER:-events}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
+    --shapes "${FP8_SHAPES:-lowp}" --timer "${TIMER:-events}" -o "$OUT/gemm_fp4.csv" 2>&1 | grep -v "it/s\]" \
     | tee "$OUT/bench_fp4.log" || status=1
 fi
 if [ -n "${FP8_SWEEP:-}" ]; then

@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 DEFAULT_SEQ_LEN = 4096
-SHAPE_SETS = ("full", "quick", "tiny")
+SHAPE_SETS = ("full", "quick", "lowp", "tiny")
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ def gemm_shape_set(name: str) -> list[GemmShape]:
     """Shapes of a named set, deduplicated on (M, N, K) keeping the first label.
 
     ``full``: every model above at mbs 1 and 2; ``quick``: Llama-3-8B and DeepSeek-V3 at mbs 1;
+    ``lowp``: the shapes the FP8 targets name (8192^3, Llama-3-70B's MLP) followed by ``quick``;
     ``tiny``: one small shape for CPU smoke tests.
     """
     if name == "full":
@@ -166,6 +167,11 @@ def gemm_shape_set(name: str) -> list[GemmShape]:
     elif name == "quick":
         shapes = dense_gemm_shapes(DENSE_MODELS["Llama-3-8B"], mbs_list=(1,))
         shapes += deepseek_v3_gemm_shapes(mbs_list=(1,))
+    elif name == "lowp":
+        llama70b = dense_gemm_shapes(DENSE_MODELS["Llama-3-70B"], mbs_list=(1,))
+        shapes = [GemmShape("square", "8192^3", 1, 8192, 8192, 8192)]
+        shapes += [s for s in llama70b if s.gemm in ("gate+up", "down")]
+        shapes += gemm_shape_set("quick")
     elif name == "tiny":
         shapes = [GemmShape("tiny", "tiny", 1, 64, 64, 128)]
     else:
