@@ -89,26 +89,26 @@ fi
 if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo \
     --shapes "${NORM_ACT_SHAPES:-quick}" -o "$OUT/norm_act.csv" 2>&1 \
-    | grep -v " INFO {" | tee "$OUT/bench_norm_act.log" || status=1
+    | tee "$OUT/bench_norm_act.log" || status=1
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo --fused-fp8 \
     --shapes "${NORM_ACT_SHAPES:-quick}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
-    | grep -v " INFO {" | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
+    | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
 fi
 if [ "${ATTN:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_attention_turbo \
-    --seqs "${ATTN_SEQS:-2048,4096,8192}" -o "$OUT/attention.csv" 2>&1 | grep -v " INFO {" \
+    --seqs "${ATTN_SEQS:-2048,4096,8192}" -o "$OUT/attention.csv" 2>&1 \
     | tee "$OUT/bench_attention.log" || status=1
 fi
 if [ "${MOE:-0}" = 1 ]; then
   for bench in moe_router moe_permute; do
     timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m "benchmark.ops.training.bench_$bench" \
-      -o "$OUT/$bench.csv" 2>&1 | grep -v " INFO {" | tee "$OUT/bench_$bench.log" || status=1
+      -o "$OUT/$bench.csv" 2>&1 | tee "$OUT/bench_$bench.log" || status=1
   done
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
     --shapes "${GROUPED_SHAPES:-quick}" -o "$OUT/grouped_gemm.csv" 2>&1 \
-    | grep -v " INFO {" | tee "$OUT/bench_grouped_gemm.log" || status=1
+    | tee "$OUT/bench_grouped_gemm.log" || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \

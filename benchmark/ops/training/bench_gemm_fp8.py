@@ -35,6 +35,7 @@ from benchmark.ops.training.config import GemmShape
 
 LOG = logging.getLogger("bench_gemm_fp8")
 AUTO = "AUTO"
+DEFAULT = "DEFAULT"  # no pin and no autotune: what a user gets out of the box
 SNR_PASS_DB = 25.0
 FP4_PASS_DB = 10.0
 BLOCK = 128
@@ -162,7 +163,7 @@ def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, e
         GlobalBackendManager.reset()
         if label == AUTO:
             GlobalBackendManager.set_auto_tune(True)
-        else:
+        elif label != DEFAULT:
             GlobalBackendManager.set_gemm_backend(BackendType[label], PrecisionType.FP8)
         try:
             operands = case.quantize(a.detach(), w.detach())

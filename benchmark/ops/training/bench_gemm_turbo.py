@@ -36,6 +36,7 @@ LOG = logging.getLogger("bench_gemm_turbo")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO = "AUTO"
+DEFAULT = "DEFAULT"
 CHECK_TOL = 1e-2  # bound on the relative Frobenius error against the fp32 reference
 PARITY = 0.99  # a Fwd ratio at or above this counts as on par with torch.matmul
 ERROR_CHARS = 200  # exception text kept in the CSV
@@ -68,7 +69,7 @@ def load_turbo(backends: list[str]) -> tuple[Op, Callable[[str], None]]:
     from primus_turbo.pytorch import ops
     from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
 
-    valid = [b.name for b in BackendType] + [AUTO]
+    valid = [b.name for b in BackendType] + [AUTO, DEFAULT]
     unknown = [b for b in backends if b not in valid]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {valid}")
@@ -77,7 +78,7 @@ def load_turbo(backends: list[str]) -> tuple[Op, Callable[[str], None]]:
         GlobalBackendManager.reset()
         if label == AUTO:
             GlobalBackendManager.set_auto_tune(True)
-        else:
+        elif label != DEFAULT:
             GlobalBackendManager.set_gemm_backend(BackendType[label])
 
     return functools.partial(ops.gemm, trans_b=True), configure
@@ -268,7 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--backends",
         default="HIPBLASLT,TRITON,AUTO",
-        help="comma-separated BackendType names; AUTO = autotune over all eligible backends",
+        help="comma-separated BackendType names; AUTO = autotune over all eligible backends, "
+        "DEFAULT = the selection without a pin or autotune",
     )
     p.add_argument("-o", "--output", default="bench_gemm_turbo.csv", help="CSV path")
     p.add_argument(

@@ -3,11 +3,13 @@
 Per model, EP degree (experts per GPU = experts / EP), tokens per expert and routing (balanced, or
 skewed with weights 0.2 + 0.8 * rand), for the expert fc1 (gate+up, [T, H] x [G, 2I, H]^T) and fc2
 ([T, I] x [G, H, I]^T) GEMMs: forward and backward (dgrad + variable-K wgrad) time and TFLOP/s of each
-backend label, the peers in the same run, and the ratios. See ``benchmark/README.md``.
+backend label, the peers in the same run, and the ratios. Labels: a backend name pins it, DEFAULT is the
+library's selection out of the box (no pin, no autotune), AUTO turns autotune on. See
+``benchmark/README.md``.
 
 Example::
 
-    python -m benchmark.ops.training.bench_grouped_gemm_turbo --shapes quick --backends TRITON,TORCH,AUTO
+    python -m benchmark.ops.training.bench_grouped_gemm_turbo --shapes quick --backends TORCH,DEFAULT
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     """Benchmark every case for every backend label and write the CSV."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
-    p.add_argument("--backends", default="TRITON,TORCH,AUTO")
+    p.add_argument("--backends", default="TRITON,TORCH,DEFAULT,AUTO")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("-o", "--output", default="bench_grouped_gemm.csv")
     args = p.parse_args(argv)
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             GlobalBackendManager.reset()
             if label == "AUTO":
                 GlobalBackendManager.set_auto_tune(True)
-            else:
+            elif label != "DEFAULT":
                 GlobalBackendManager.set_grouped_gemm_backend(BackendType[label])
             row = {"Model": case.model, "GEMM": case.gemm, "EP": case.ep, "Experts": case.groups}
             row.update(Tokens=case.tokens, N=case.n, K=case.k, Routing=case.routing, Backend=label)

@@ -211,8 +211,6 @@ def _gemm_fp8_kernel(
             acc = acc * (sa[:, None] * sb[None, :])
         if TMA_STORE:
             # through shared memory: no (BLOCK_M, BLOCK_N) tensor of 64-bit addresses in registers
-            if ACCUMULATE:
-                acc += c_ptr.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
             c_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_ptr.dtype))
         else:
             c_ptrs = c_ptr + rows_m[:, None] * stride_cm + rows_n[None, :] * stride_cn
@@ -254,8 +252,11 @@ def gemm_fp8_triton(
         use_tma = supports_tma(out.device) and all(
             t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
         )
+    # accumulating through TMA would stage the loaded and the stored tile in two shared buffers, which
+    # leaves no room for the operand pipeline with an fp32 output
     tma_store = (
         use_tma
+        and not accumulate
         and out.stride(1) == 1
         and (out.stride(0) * out.element_size()) % 16 == 0
         and out.data_ptr() % 16 == 0

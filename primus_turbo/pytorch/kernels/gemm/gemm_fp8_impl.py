@@ -82,8 +82,8 @@ class HipblasltGemmFp8Backend(KernelBackend):
             return "MX scaling needs FP8 MX tensor cores (gfx950 / Blackwell)"
         if granularity == _ROWWISE and out_dtype != torch.bfloat16:
             return f"row-wise scaling writes bf16 only, not {out_dtype}"
-        if granularity == _BLOCKWISE and (block_size != _SCALED_MM_BLOCK or a_2d or not b_2d):
-            return "block scaling needs 1 x 128 blocks on a and 128 x 128 blocks on b"
+        if granularity == _BLOCKWISE and (block_size != _SCALED_MM_BLOCK or (a_2d and b_2d)):
+            return "block scaling needs 128-wide blocks, 1 x 128 on at least one operand"
         if granularity == _BLOCKWISE and a.shape[1] % _SCALED_MM_BLOCK:
             # cuBLASLt reads the scales of whole K blocks; a partial one gives wrong output, not an error
             return f"block scaling needs K to be a multiple of {_SCALED_MM_BLOCK}, got K={a.shape[1]}"
@@ -94,13 +94,20 @@ class HipblasltGemmFp8Backend(KernelBackend):
         if granularity == _ROWWISE:
             scale_a, scale_b = a_scale, b_scale.t()
         elif granularity == _BLOCKWISE:
-            # K-block-major activation scales and the transposed weight-block grid, as cuBLASLt reads them
-            scale_a, scale_b = a_scale.t().contiguous().t(), b_scale.t()
+            # cuBLASLt reads 1 x 128 scales K-block-major and 128 x 128 ones as the row-major block grid;
+            # torch takes b's scales transposed, like b
+            scale_a = a_scale if a_2d else _k_block_major(a_scale)
+            scale_b = (b_scale if b_2d else _k_block_major(b_scale)).t()
         else:
             scale_a, scale_b = a_scale, b_scale
         dtype = out_dtype if out is None else torch.bfloat16 if granularity == _ROWWISE else out.dtype
         product = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=dtype)
         return product if out is None else out.add_(product)
+
+
+def _k_block_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (rows, K / block) with the rows of each K-block adjacent in memory."""
+    return scale.t().contiguous().t()
 
 
 def _triton_mode(granularity: int, block_2d: bool) -> int:
@@ -142,8 +149,8 @@ class TritonGemmFp8Backend(KernelBackend):
 
 
 class GemmFp8Dispatcher(AutoKernelDispatcher):
-    """Backend choice for FP8 GEMM: ``_scaled_mm`` for tensorwise and row-wise scaling, the Triton kernel
-    for block scaling on GPUs, the reference elsewhere."""
+    """Backend choice for FP8 GEMM: ``_scaled_mm`` on NVIDIA GPUs (and for tensorwise and row-wise scaling
+    on ROCm), the Triton kernel for block scaling on ROCm, the reference on the CPU."""
 
     op_name = "gemm_fp8"
     backends = {
@@ -173,7 +180,10 @@ class GemmFp8Dispatcher(AutoKernelDispatcher):
     def default_backend(cls, a, granularity, **_: Any) -> BackendType:
         if a.device.type != "cuda":
             return BackendType.TORCH
-        return BackendType.TRITON if granularity == _BLOCKWISE else BackendType.HIPBLASLT
+        # cuBLASLt's block-scaled kernels beat this library's Triton kernel on Hopper; ROCm builds of
+        # torch have no block-scaled _scaled_mm
+        hip_blocks = granularity == _BLOCKWISE and torch.version.hip is not None
+        return BackendType.TRITON if hip_blocks else BackendType.HIPBLASLT
 
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
