@@ -60,10 +60,6 @@ class BackendType(Enum):
     FLYDSL = "FLYDSL"
     TORCH = "TORCH"
 
-    # Members are singletons compared by identity; an identity hash keeps the per-call dispatch lookups
-    # in C instead of Enum's Python-level __hash__.
-    __hash__ = object.__hash__
-
 
 class PrecisionType(Enum):
     """The precision slot a backend setting applies to."""
@@ -71,8 +67,6 @@ class PrecisionType(Enum):
     FP4 = "FP4"
     FP8 = "FP8"
     BF16_FP16_FP32 = "BF16_FP16_FP32"
-
-    __hash__ = object.__hash__
 
 
 _PRECISION_NAMES: dict[str, PrecisionType | None] = {

@@ -33,7 +33,7 @@ def _config(granularity: ScalingGranularity, fmt: Format = Format.E4M3) -> Float
 GRANULARITIES = list(G)
 BACKENDS = [BackendType.TORCH, BackendType.TRITON] + ([BackendType.HIPBLASLT] if ON_GPU else [])
 LAYOUTS = list(itertools.product([False, True], repeat=2))
-SHAPES = [(64, 96, 128), (96, 32, 64)] + ([(256, 128, 384)] if ON_GPU else [])
+SHAPES = [(64, 96, 128), (96, 32, 64)] + ([(256, 128, 384), (256, 256, 384)] if ON_GPU else [])
 # real-model shapes on the GPU, in the Linear layout (the one every layer uses)
 LARGE_SHAPES = [(4096, 4096, 4096), (2048, 576, 7168)] if ON_GPU else []
 # SNR gates (dB): the output of E4M3 and HYBRID at 25, E5M2 at 20; gradients follow the format that

@@ -21,6 +21,7 @@ from primus_turbo.triton.quantization import (
     tensorwise_cast_fp8_triton,
 )
 from primus_turbo.triton.utils.device_info import triton_runs_on
+from primus_turbo.triton.utils.transpose import transpose_2d_triton
 
 __all__ = [
     "FP8_DTYPES",
@@ -242,7 +243,8 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
         q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
         # copies, never views: a custom op's outputs must not alias each other
         contiguous = torch.contiguous_format
-        return q, scale, q.t().clone(memory_format=contiguous), scale.t().clone(memory_format=contiguous)
+        q_t = transpose_2d_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
+        return q, scale, q_t, scale.t().clone(memory_format=contiguous)
     if triton_path and granularity in (_BLOCKWISE, _MX):
         return _with_trans_blocks_triton(x, out_dtype, block_size, granularity == _MX)
     q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
