@@ -48,7 +48,8 @@ def causal_flops(s: int, h_q: int, d_qk: int, d_v: int, batch: int) -> float:
 
 
 def sdpa_call(backend_name: str, q, k, v) -> Callable[[], torch.Tensor]:
-    """SDPA restricted to one backend on [B, H, S, D] views of bshd tensors."""
+    """SDPA restricted to one backend on [B, H, S, D] views of bshd tensors; the output is viewed back as
+    bshd, so that every label takes the same output gradient."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
@@ -58,7 +59,7 @@ def sdpa_call(backend_name: str, q, k, v) -> Callable[[], torch.Tensor]:
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
-            )
+            ).transpose(1, 2)
 
     return run
 
@@ -95,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="2048,4096,8192,16384", help="comma-separated sequence lengths")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--backends", default="TRITON,AUTO", help="BackendType names and AUTO")
+    p.add_argument(
+        "--backends",
+        default="TRITON,DEFAULT",
+        help="BackendType names, DEFAULT (no pin, no autotune) and AUTO (autotune)",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("-o", "--output", default="bench_attention.csv")
     args = p.parse_args(argv)
@@ -119,13 +124,13 @@ def main(argv: list[str] | None = None) -> None:
             peers = {name: sdpa_call(name, q, k, v) for name in SDPA_PEERS} if args.device == "cuda" else {}
             with torch.no_grad():  # fp32 math reference where it fits comfortably in memory
                 full = (t.detach().float() for t in (q, k, v))
-                reference = sdpa_call("MATH", *full)().transpose(1, 2) if seq <= 4096 else None
+                reference = sdpa_call("MATH", *full)() if seq <= 4096 else None
             flops = causal_flops(seq, h_q, d_qk, d_v, args.batch)
             for label in labels:
                 GlobalBackendManager.reset()
                 if label == "AUTO":
                     GlobalBackendManager.set_auto_tune(True)
-                else:
+                elif label != "DEFAULT":
                     GlobalBackendManager.set_attn_backend(BackendType[label])
                 row = {"Models": models, "Hq": h_q, "Hkv": h_kv, "Dqk": d_qk, "Dv": d_v, "Seq": seq}
                 row["Backend"] = label
