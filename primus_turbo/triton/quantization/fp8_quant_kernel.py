@@ -139,35 +139,31 @@ def _quantize_dual_blocks_kernel(
     N_GROUPS: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """One TILE x TILE tile of x (M, K): 1 x GROUP groups along K go to ``q`` (M, K) and ``s``
-    (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st`` (K, M / GROUP).
-    All four outputs are contiguous. The tile comes from memory once; the first pass keeps only the
-    group maxima, and each direction re-reads the tile (from L2, volatile so that the compiler keeps
-    no copy live), which holds one fp32 tile in registers at a time instead of three."""
+    """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
+    ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
+    (K, M / GROUP). All four outputs are contiguous."""
     rows = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
     cols = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    ptrs = x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk
-    mag = tl.abs(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32))
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mag = tl.abs(x)
     nonfinite = (mag != mag) | (mag == float("inf"))
     mag = tl.where(nonfinite, 0.0, mag)
-    # groups along K: (TILE, N_GROUPS, GROUP); along M: (N_GROUPS, GROUP, TILE)
+    # groups along K: (TILE, N_GROUPS, GROUP)
     amax = tl.max(tl.reshape(mag, (TILE, N_GROUPS, GROUP)), axis=2)
     bad = tl.sum(tl.reshape(nonfinite.to(tl.int32), (TILE, N_GROUPS, GROUP)), axis=2)
-    amax_t = tl.max(tl.reshape(mag, (N_GROUPS, GROUP, TILE)), axis=1)
-    bad_t = tl.sum(tl.reshape(nonfinite.to(tl.int32), (N_GROUPS, GROUP, TILE)), axis=1)
-
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
-    x = tl.load(ptrs, mask=mask, other=0.0, volatile=True).to(tl.float32)
     scaled = tl.reshape(tl.reshape(x, (TILE, N_GROUPS, GROUP)) * multiplier[:, :, None], (TILE, TILE))
     q = _saturate(scaled, FP8_MAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     k_groups = (tl.program_id(1) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
     s_mask = (rows < M)[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
     tl.store(s_ptr + rows[:, None] * tl.cdiv(K, GROUP) + k_groups[None, :], stored, mask=s_mask)
-
+    # groups along M: (N_GROUPS, GROUP, TILE), written transposed
+    amax_t = tl.max(tl.reshape(mag, (N_GROUPS, GROUP, TILE)), axis=1)
+    bad_t = tl.sum(tl.reshape(nonfinite.to(tl.int32), (N_GROUPS, GROUP, TILE)), axis=1)
     multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
-    x = tl.load(ptrs, mask=mask, other=0.0, volatile=True).to(tl.float32)
     scaled_t = tl.reshape(tl.reshape(x, (N_GROUPS, GROUP, TILE)) * multiplier_t[:, None, :], (TILE, TILE))
     q_t = tl.trans(_saturate(scaled_t, FP8_MAX).to(qt_ptr.dtype.element_ty))
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], q_t, mask=tl.trans(mask))
