@@ -172,7 +172,9 @@ def quantize_fp8_with_trans(
     Returns ``(q, scale_inv, q_t, scale_inv_t)``: ``q`` is ``x`` quantized along K (axis 1), ``q_t`` is
     ``x`` quantized along M and stored transposed as a contiguous (K, M) tensor, so the wgrad GEMM
     reads it row-major. Tensorwise and 2-D block scales do not depend on the direction: ``q_t`` is
-    then ``q`` transposed and ``scale_inv_t`` the transposed scales.
+    then ``q`` transposed and ``scale_inv_t`` the transposed scales. 1-D block scales (BLOCKWISE 1 x
+    block, MX) are stored block-major, the rows of each block adjacent (strides ``(1, rows)``), the
+    layout cuBLASLt's block-scaled GEMMs read, so no GEMM call has to copy them.
     """
     _check_input(x, out_dtype)
     check_tensor("x", x, dim=2)

@@ -132,6 +132,10 @@ def _quantize_dual_blocks_kernel(
     K,
     stride_xm,
     stride_xk,
+    stride_sm,
+    stride_sk,
+    stride_stk,
+    stride_stm,
     FP8_MAX: tl.constexpr,
     MX: tl.constexpr,
     MX_EMAX: tl.constexpr,
@@ -141,7 +145,7 @@ def _quantize_dual_blocks_kernel(
 ):
     """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
     ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
-    (K, M / GROUP). All four outputs are contiguous."""
+    (K, M / GROUP). ``q`` and ``qt`` are contiguous; the scales take any strides."""
     rows = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
     cols = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -159,7 +163,7 @@ def _quantize_dual_blocks_kernel(
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
     k_groups = (tl.program_id(1) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
     s_mask = (rows < M)[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
-    tl.store(s_ptr + rows[:, None] * tl.cdiv(K, GROUP) + k_groups[None, :], stored, mask=s_mask)
+    tl.store(s_ptr + rows[:, None] * stride_sm + k_groups[None, :] * stride_sk, stored, mask=s_mask)
     # groups along M: (N_GROUPS, GROUP, TILE), written transposed
     amax_t = tl.max(tl.reshape(mag, (N_GROUPS, GROUP, TILE)), axis=1)
     bad_t = tl.sum(tl.reshape(nonfinite.to(tl.int32), (N_GROUPS, GROUP, TILE)), axis=1)
@@ -169,7 +173,8 @@ def _quantize_dual_blocks_kernel(
     tl.store(qt_ptr + cols[:, None] * M + rows[None, :], q_t, mask=tl.trans(mask))
     m_groups = (tl.program_id(0) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
     st_mask = (cols < K)[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
-    tl.store(st_ptr + cols[:, None] * tl.cdiv(M, GROUP) + m_groups[None, :], tl.trans(stored_t), mask=st_mask)
+    st_ptrs = st_ptr + cols[:, None] * stride_stk + m_groups[None, :] * stride_stm
+    tl.store(st_ptrs, tl.trans(stored_t), mask=st_mask)
 
 
 @triton.jit
@@ -242,8 +247,9 @@ def quantize_fp8_dual_blocks_triton(
     mx_emax: int | None = None,
 ) -> None:
     """Both 1-D block quantizations of a 2-D ``x`` (M, K) in one read: ``q`` (M, K) with ``scale``
-    (M, K / group) along K, and ``q_t`` (K, M) with ``scale_t`` (K, M / group) along M. Outputs are
-    contiguous; scales are fp32, or uint8 E8M0 codes when ``mx_emax`` is given."""
+    (M, K / group) along K, and ``q_t`` (K, M) with ``scale_t`` (K, M / group) along M. ``q`` and
+    ``q_t`` are contiguous, the scales any strides; scales are fp32, or uint8 E8M0 codes when
+    ``mx_emax`` is given."""
     m, k = x.shape
     if m == 0 or k == 0:
         return
@@ -257,6 +263,8 @@ def quantize_fp8_dual_blocks_triton(
         m,
         k,
         *x.stride(),
+        *scale.stride(),
+        *scale_t.stride(),
         FP8_MAX=torch.finfo(q.dtype).max,
         MX=mx_emax is not None,
         MX_EMAX=mx_emax or 0,

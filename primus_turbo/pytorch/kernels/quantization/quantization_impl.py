@@ -224,14 +224,26 @@ def quantize_fp8_reference(
     return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, triton_path=False)
 
 
+def _block_major_empty(rows: int, blocks: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty (rows, blocks) scale tensor stored block-major: each block's rows adjacent in memory."""
+    return torch.empty((blocks, rows), dtype=dtype, device=device).t()
+
+
+def _block_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (rows, blocks) copied block-major (E8M0 codes moved as bytes)."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return _block_major(scale.view(torch.uint8)).view(scale.dtype)
+    return scale.t().contiguous().t()
+
+
 def _with_trans_blocks_triton(x: torch.Tensor, out_dtype: torch.dtype, block: int, mx: bool):
     """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe)."""
     m, k = x.shape
     scale_dtype = torch.uint8 if mx else torch.float32
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     q_t = torch.empty((k, m), dtype=out_dtype, device=x.device)
-    scale = torch.empty((m, -(-k // block)), dtype=scale_dtype, device=x.device)
-    scale_t = torch.empty((k, -(-m // block)), dtype=scale_dtype, device=x.device)
+    scale = _block_major_empty(m, -(-k // block), scale_dtype, x.device)
+    scale_t = _block_major_empty(k, -(-m // block), scale_dtype, x.device)
     quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, mx_emax(out_dtype) if mx else None)
     if mx:
         scale, scale_t = scale.view(torch.float8_e8m0fnu), scale_t.view(torch.float8_e8m0fnu)
@@ -251,7 +263,9 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
     groups = _groups(x.shape, granularity, block_size, 1, block_2d)
     q_t = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=x.device)
     scale_t = _quantize_2d(x.t(), q_t, out_dtype, groups.rows, groups.cols, granularity == _MX, triton_path)
-    return q, scale, q_t, scale_t
+    if granularity == _ROWWISE:
+        return q, scale, q_t, scale_t
+    return q, _block_major(scale), q_t, _block_major(scale_t)
 
 
 def quantize_fp8_with_trans_reference(
@@ -298,12 +312,15 @@ def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2
     dtype = _scale_dtype(granularity)
     row_scale = scale_inv_shape(x.shape, granularity, block_size, 1, block_2d)
     col_scale = scale_inv_shape(torch.Size((k, m)), granularity, block_size, 1, block_2d)
-    return (
-        x.new_empty((m, k), dtype=out_dtype),
-        x.new_empty(row_scale, dtype=dtype),
-        x.new_empty((k, m), dtype=out_dtype),
-        x.new_empty(col_scale, dtype=dtype),
-    )
+    one_d_blocks = granularity == _MX or (granularity == _BLOCKWISE and not block_2d)
+    if one_d_blocks:
+        scales = (
+            _block_major_empty(*row_scale, dtype, x.device),
+            _block_major_empty(*col_scale, dtype, x.device),
+        )
+    else:
+        scales = (x.new_empty(row_scale, dtype=dtype), x.new_empty(col_scale, dtype=dtype))
+    return x.new_empty((m, k), dtype=out_dtype), scales[0], x.new_empty((k, m), dtype=out_dtype), scales[1]
 
 
 def _expand_scale(
