@@ -238,23 +238,64 @@ def main(argv: list[str] | None = None) -> int:
     dy16 = torch.empty(tokens, n, dtype=bf16)
     a8, w8 = torch.empty(tokens, k, dtype=e5m2), torch.empty(groups, n, k, dtype=e4m3)
     lhs8, rhs8 = torch.empty(tokens, k, dtype=e4m3), torch.empty(tokens, n, dtype=e5m2)
-    launches = {
-        grouped._grouped_gemm_kernel: lambda: grouped.grouped_gemm_triton(a16, w16, offs, True),
-        grouped._grouped_gemm_variable_k_kernel: lambda: grouped.grouped_gemm_variable_k_triton(
-            a16, dy16, offs, torch.empty(groups, k, n, dtype=f32), accumulate=True
+    block = grouped.grouped_fp8_scale_block()
+    block_rows = tokens // block + groups
+    launches = [
+        ("", grouped._grouped_gemm_kernel, lambda: grouped.grouped_gemm_triton(a16, w16, offs, True)),
+        (
+            "",
+            grouped._grouped_gemm_variable_k_kernel,
+            lambda: grouped.grouped_gemm_variable_k_triton(
+                a16, dy16, offs, torch.empty(groups, k, n, dtype=f32), accumulate=True
+            ),
         ),
-        grouped._grouped_gemm_fp8_kernel: lambda: grouped.grouped_gemm_fp8_triton(
-            a8, torch.empty(tokens, 1), w8, torch.empty(groups, n, 1), offs, True, bf16
+        (
+            "",
+            grouped._grouped_gemm_fp8_kernel,
+            lambda: grouped.grouped_gemm_fp8_triton(
+                a8, torch.empty(tokens, 1), w8, torch.empty(groups, n, 1), offs, True, bf16
+            ),
         ),
-        grouped._grouped_gemm_fp8_variable_k_kernel: lambda: grouped.grouped_gemm_fp8_variable_k_triton(
-            lhs8, torch.empty(groups, k), rhs8, torch.empty(groups, n), offs, f32
+        (
+            "blocks ",
+            grouped._grouped_gemm_fp8_kernel,
+            lambda: grouped.grouped_gemm_fp8_triton(
+                a8,
+                torch.empty(tokens, k // block),
+                w8,
+                torch.empty(groups, n // block, k // block),
+                offs,
+                True,
+                bf16,
+                block,
+            ),
         ),
-    }
-    for kernel, launch in launches.items():
+        (
+            "",
+            grouped._grouped_gemm_fp8_variable_k_kernel,
+            lambda: grouped.grouped_gemm_fp8_variable_k_triton(
+                lhs8, torch.empty(groups, k), rhs8, torch.empty(groups, n), offs, f32
+            ),
+        ),
+        (
+            "blocks ",
+            grouped._grouped_gemm_fp8_variable_k_kernel,
+            lambda: grouped.grouped_gemm_fp8_variable_k_triton(
+                lhs8,
+                torch.empty(block_rows, k),
+                rhs8,
+                torch.empty(block_rows, n),
+                offs,
+                f32,
+                torch.empty(groups, dtype=torch.int64),
+            ),
+        ),
+    ]
+    for mode, kernel, launch in launches:
         all_configs = kernel.configs
         for config in all_configs[:1] if args.quick else all_configs:
             kernel.configs = [config]  # the untuned launcher takes the first config
-            attempt(f"grouped {kernel.base_fn.__name__} {_label(config)}", launch)
+            attempt(f"grouped {mode}{kernel.base_fn.__name__} {_label(config)}", launch)
         kernel.configs = all_configs
     x, gamma = torch.empty(64, 7168, dtype=bf16), torch.empty(7168, dtype=bf16)
     for quant in (0, 1, 2, 3):

@@ -7,8 +7,10 @@ Scaling per granularity (``Format.HYBRID``: E4M3 forward operands, E5M2 gradient
 - ROWWISE: one scale per token row along the reduction dimension; expert weights per row along K
   (forward) or N (dgrad); the wgrad operands get one scale per (group, column) over the group's
   tokens (``quantize_fp8_group_columns``).
-
-Block scaling is not offered for grouped GEMM yet.
+- BLOCKWISE (the DeepSeek-V3 recipe): tokens and gradients 1 x B along the reduction dimension, each
+  expert's weight in B x B tiles (which serve the forward and dgrad alike); the wgrad operands get one
+  scale per column for every B tokens of a group, counted from its first token
+  (``quantize_fp8_group_blocks``), so group sizes need not be multiples of B. K and N must be.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ import torch
 
 from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity, fp8_dtype_for
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingRecipe,
+    fp8_dtype_for,
+)
 from primus_turbo.pytorch.core.validation import check_dtype
 from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_impl,
+    quantize_fp8_group_blocks_impl,
     quantize_fp8_group_columns_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args
@@ -34,29 +42,41 @@ _G = ScalingGranularity
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _quantize_tokens(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity):
-    """Token-major operand [T, C] along C: one scale, or one per row ([T, 1])."""
-    axis = None if granularity is _G.TENSORWISE else 1
-    return quantize_fp8(x, dtype, granularity, axis=axis)
+def _quantize_tokens(x: torch.Tensor, dtype: torch.dtype, config: Float8QuantConfig):
+    """Token-major operand [T, C] along C: one scale, one per row ([T, 1]) or per 1 x B block."""
+    axis = None if config.granularity is _G.TENSORWISE else 1
+    return quantize_fp8(x, dtype, config.granularity, block_size=config.block_size, axis=axis)
 
 
-def _quantize_experts(b: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity, axis: int):
-    """Expert weights [G, X, Y]: one scale per expert ([G, 1, 1]), or per row along ``axis``."""
+def _quantize_experts(b: torch.Tensor, dtype: torch.dtype, config: Float8QuantConfig, axis: int):
+    """Expert weights [G, X, Y]: one scale per expert ([G, 1, 1]), per row along ``axis``, or per B x B
+    tile ([G, X / B, Y / B])."""
+    granularity = config.granularity
+    if granularity is _G.BLOCKWISE:
+        block = config.block_size
+        recipe = ScalingRecipe(use_2d_block=True)
+        q, scale = quantize_fp8(
+            b.reshape(-1, b.shape[2]), dtype, granularity, block_size=block, scaling_recipe=recipe
+        )
+        return q.view(b.shape), scale.view(b.shape[0], b.shape[1] // block, -1)
     if granularity is _G.TENSORWISE:
         q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
         return q.view(b.shape), scale.view(-1, 1, 1)
     return quantize_fp8(b, dtype, _G.ROWWISE, axis=axis)
 
 
+def _block(config: Float8QuantConfig) -> int:
+    return config.block_size if config.granularity is _G.BLOCKWISE else 0
+
+
 class _GroupedGemmFp8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern):
-        gran = config.granularity
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
-        qa, sa = _quantize_tokens(a, fwd_dtype, gran)
+        qa, sa = _quantize_tokens(a, fwd_dtype, config)
         k_axis = 2 if trans_b else 1  # b is [G, N, K] with trans_b, else [G, K, N]
-        qb, sb = _quantize_experts(b, fwd_dtype, gran, k_axis)
-        out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype)
+        qb, sb = _quantize_experts(b, fwd_dtype, config, k_axis)
+        out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype, _block(config))
         ctx.save_for_backward(a, b, group_offs, qa, sa, qb, sb)
         ctx.trans_b, ctx.config, ctx.accum_pattern = trans_b, config, accum_pattern
         return out
@@ -65,31 +85,36 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
     def backward(ctx, grad_out):
         a, b, group_offs, qa, sa, qb, sb = ctx.saved_tensors
         config, trans_b = ctx.config, ctx.trans_b
-        gran = config.granularity
+        gran, block = config.granularity, _block(config)
         grad_dtype = fp8_dtype_for(config.format, is_forward=False)
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            qg, sg = _quantize_tokens(grad_out, grad_dtype, gran)
+            qg, sg = _quantize_tokens(grad_out, grad_dtype, config)
             if gran is _G.ROWWISE:  # the weights along N for dgrad
-                qb, sb = _quantize_experts(b, fwd_dtype, gran, 1 if trans_b else 2)
-            grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype)
+                qb, sb = _quantize_experts(b, fwd_dtype, config, 1 if trans_b else 2)
+            grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype, block)
         if ctx.needs_input_grad[1]:
             if gran is _G.TENSORWISE:
-                qg_t, sg_t = _quantize_tokens(grad_out, grad_dtype, gran)
+                qg_t, sg_t = _quantize_tokens(grad_out, grad_dtype, config)
                 qa_t, sa_t = qa, sa
+            elif gran is _G.BLOCKWISE:
+                qg_t, sg_t = call_op(quantize_fp8_group_blocks_impl, grad_out, group_offs, grad_dtype, block)
+                qa_t, sa_t = call_op(quantize_fp8_group_blocks_impl, a, group_offs, fwd_dtype, block)
             else:
                 qg_t, sg_t = call_op(quantize_fp8_group_columns_impl, grad_out, group_offs, grad_dtype)
                 qa_t, sa_t = call_op(quantize_fp8_group_columns_impl, a, group_offs, fwd_dtype)
             # [G, N, K] = per group dy^T a for the transposed layout, else [G, K, N] = a^T dy
             operands = (qg_t, sg_t, qa_t, sa_t) if trans_b else (qa_t, sa_t, qg_t, sg_t)
             if ctx.accum_pattern == "megatron":
-                result = call_op(grouped_gemm_fp8_variable_k_impl, *operands, group_offs, torch.float32)
+                result = call_op(
+                    grouped_gemm_fp8_variable_k_impl, *operands, group_offs, torch.float32, block
+                )
                 b.main_grad.add_(result)
                 grad_b = finish_fused_wgrad(b)
             else:
-                grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, group_offs, b.dtype)
+                grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, group_offs, b.dtype, block)
         return grad_a, grad_b, None, None, None, None, None
 
 
@@ -103,16 +128,24 @@ def grouped_gemm_fp8(
     config: Float8QuantConfig | None = None,
     fuse_bgrad_accum_pattern: str | None = None,
 ) -> torch.Tensor:
-    """``grouped_gemm`` with FP8 operands (TENSORWISE or ROWWISE ``config``, default tensorwise E4M3),
-    differentiable in ``a`` and ``b``; ``out_dtype`` defaults to ``a``'s dtype."""
+    """``grouped_gemm`` with FP8 operands (TENSORWISE, ROWWISE or BLOCKWISE ``config``, default
+    tensorwise E4M3), differentiable in ``a`` and ``b``; ``out_dtype`` defaults to ``a``'s dtype.
+    BLOCKWISE needs K and N to be multiples of the block size."""
     config = Float8QuantConfig() if config is None else config
     if not isinstance(config, Float8QuantConfig):
         raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
-    if config.granularity not in (_G.TENSORWISE, _G.ROWWISE):
+    if config.granularity not in (_G.TENSORWISE, _G.ROWWISE, _G.BLOCKWISE):
         raise ValueError(
-            f"grouped_gemm_fp8 takes TENSORWISE or ROWWISE scaling, not {config.granularity.name}"
+            f"grouped_gemm_fp8 takes TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
         )
     check_grouped_args(a, b, group_lens, trans_b)
+    if config.granularity is _G.BLOCKWISE:
+        k, n = a.shape[1], b.shape[1] if trans_b else b.shape[2]
+        if k % config.block_size or n % config.block_size:
+            raise ValueError(
+                f"grouped_gemm_fp8: BLOCKWISE needs K ({k}) and N ({n}) to be multiples of "
+                f"block_size ({config.block_size})"
+            )
     check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)

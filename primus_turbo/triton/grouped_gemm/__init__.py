@@ -1,6 +1,7 @@
 """Grouped GEMM kernels (MoE experts)."""
 
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
+    grouped_fp8_scale_block,
     grouped_gemm_fp8_triton,
     grouped_gemm_fp8_variable_k_triton,
     grouped_gemm_triton,
@@ -8,6 +9,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
 )
 
 __all__ = [
+    "grouped_fp8_scale_block",
     "grouped_gemm_fp8_triton",
     "grouped_gemm_fp8_variable_k_triton",
     "grouped_gemm_triton",

@@ -21,6 +21,7 @@ from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_ben
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
 __all__ = [
+    "grouped_fp8_scale_block",
     "grouped_gemm_fp8_triton",
     "grouped_gemm_fp8_variable_k_triton",
     "grouped_gemm_triton",
@@ -83,13 +84,17 @@ def _grouped_gemm_jit(
     stride_bk,
     stride_bn,
     stride_cm,
+    stride_sam,
+    stride_sak,
     stride_sbg,
     stride_sbn,
+    stride_sbk,
     DTYPES: tl.constexpr,
     TRANS_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
     A_ROWWISE: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -97,7 +102,9 @@ def _grouped_gemm_jit(
 ):
     """Persistent walk over the groups' tiles (see the module docstring). With SCALED the operands are
     FP8: the MMA promotes to fp32 every K-block, and the scales (one or per row for ``a``; one per
-    expert or per output column for ``b``) apply once to the finished tile."""
+    expert or per output column for ``b``) apply once to the finished tile. With PER_BLOCK (block
+    scaling, BLOCK_K = the scale block) ``a`` has one scale per (row, K-block) and ``b`` one per
+    (expert, output-column block, K-block), and each K-block's product is scaled before it is added."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_before = tl.zeros((), dtype=tl.int64)  # int64, like the group offsets
@@ -126,11 +133,20 @@ def _grouped_gemm_jit(
                     mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0,
                 )
-                if SCALED:
+                if PER_BLOCK:
+                    kb = k0 // BLOCK_K
+                    sa = tl.load(a_scale_ptr + rows * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
+                    sb = tl.load(
+                        b_scale_ptr + g64 * stride_sbg + (cols // BLOCK_K) * stride_sbn + kb * stride_sbk,
+                        mask=col_ok,
+                        other=0.0,
+                    )
+                    acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+                elif SCALED:
                     acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
                 else:
                     acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if SCALED:
+            if SCALED and not PER_BLOCK:
                 if A_ROWWISE:
                     sa = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
                 else:
@@ -150,6 +166,7 @@ def _grouped_variable_k_jit(
     offs_ptr,
     lhs_scale_ptr,
     rhs_scale_ptr,
+    block_base_ptr,
     G,
     P,
     Q,
@@ -157,18 +174,24 @@ def _grouped_variable_k_jit(
     stride_rt,
     stride_og,
     stride_op,
+    stride_ls,
+    stride_rs,
     ACCUMULATE: tl.constexpr,
     DTYPES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
     PER_COLUMN: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One program per (group, output tile): BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the
     group's tokens. With SCALED the operands are FP8 and their scales (one, or one per (group, column))
-    are constant along the reduction, so they apply once to the finished tile."""
+    are constant along the reduction, so they apply once to the finished tile. With PER_BLOCK (BLOCK_K =
+    the scale block) every BLOCK_K tokens of a group, counted from its first token, have their own
+    scale row (``block_base[g]`` is the group's first), and each block's product is scaled before it is
+    added."""
     g = tl.program_id(0)
     tile = tl.program_id(1)
     num_pid_q = tl.cdiv(Q, BLOCK_N)
@@ -179,6 +202,8 @@ def _grouped_variable_k_jit(
     start = tl.load(offs_ptr + g)
     end = tl.load(offs_ptr + g + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PER_BLOCK:
+        block_row = tl.load(block_base_ptr + g)
     for k0 in range(start, end, BLOCK_K):
         ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         k_ok = ks < end
@@ -188,11 +213,16 @@ def _grouped_variable_k_jit(
         rhs = tl.load(
             rhs_ptr + ks[:, None] * stride_rt + qs[None, :], mask=k_ok[:, None] & q_ok[None, :], other=0.0
         )
-        if SCALED:
+        if PER_BLOCK:
+            sl = tl.load(lhs_scale_ptr + block_row * stride_ls + ps, mask=p_ok, other=0.0)
+            sr = tl.load(rhs_scale_ptr + block_row * stride_rs + qs, mask=q_ok, other=0.0)
+            acc += tl.dot(lhs.T, rhs) * (sl[:, None] * sr[None, :])
+            block_row += 1
+        elif SCALED:
             acc = tl.dot(lhs.T, rhs, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(lhs.T, rhs, acc, input_precision=DOT_PRECISION)
-    if SCALED:
+    if SCALED and not PER_BLOCK:
         if PER_COLUMN:
             sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
             sr = tl.load(rhs_scale_ptr + g * Q + qs, mask=q_ok, other=0.0)
@@ -215,7 +245,7 @@ _grouped_gemm_kernel = triton.autotune(
 )(_grouped_gemm_jit)
 _grouped_gemm_fp8_kernel = triton.autotune(
     configs=_fp8_configs(),
-    key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE"],
+    key=["N", "K", "G", "DTYPES", "TRANS_B", "A_ROWWISE", "PER_BLOCK"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=tuning_bench,
 )(_grouped_gemm_jit)
@@ -229,7 +259,7 @@ _grouped_gemm_variable_k_kernel = triton.autotune(
 )(_grouped_variable_k_jit)
 _grouped_gemm_fp8_variable_k_kernel = triton.autotune(
     configs=_fp8_configs(),
-    key=["P", "Q", "G", "DTYPES", "PER_COLUMN"],
+    key=["P", "Q", "G", "DTYPES", "PER_COLUMN", "PER_BLOCK"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=tuning_bench,
 )(_grouped_variable_k_jit)
@@ -292,11 +322,15 @@ def grouped_gemm_triton(
         out.stride(0),
         0,
         0,
+        0,
+        0,
+        0,
         DTYPES=str(a.dtype),
         TRANS_B=trans_b,
         DOT_PRECISION=_precision(a.dtype),
         SCALED=False,
         A_ROWWISE=False,
+        PER_BLOCK=False,
         NUM_SMS=sms,
     )
     return out
@@ -328,6 +362,7 @@ def grouped_gemm_variable_k_triton(
         group_offs,
         unused,
         unused,
+        group_offs,
         groups,
         p,
         q,
@@ -335,13 +370,21 @@ def grouped_gemm_variable_k_triton(
         rhs.stride(0),
         out.stride(0),
         out.stride(1),
+        0,
+        0,
         ACCUMULATE=accumulate,
         DTYPES=f"{lhs.dtype}->{out.dtype}",
         DOT_PRECISION=_precision(lhs.dtype),
         SCALED=False,
         PER_COLUMN=False,
+        PER_BLOCK=False,
     )
     return out
+
+
+def grouped_fp8_scale_block() -> int:
+    """The block size the block-scaled FP8 grouped kernels take (their BLOCK_K)."""
+    return _fp8_configs()[0].kwargs["BLOCK_K"]
 
 
 def grouped_gemm_fp8_triton(
@@ -352,9 +395,14 @@ def grouped_gemm_fp8_triton(
     group_offs: torch.Tensor,
     trans_b: bool,
     out_dtype: torch.dtype,
+    block_size: int = 0,
 ) -> torch.Tensor:
-    """[T, N] grouped product of FP8 ``a`` [T, K] (``a_scale`` 0-d or [T, 1]) and FP8 ``b`` [G, K, N]
-    (or [G, N, K]) whose ``b_scale`` is one per expert or one per output column per expert."""
+    """[T, N] grouped product of FP8 ``a`` [T, K] and FP8 ``b`` [G, K, N] (or [G, N, K]).
+
+    Scales: ``a_scale`` 0-d or [T, 1] and ``b_scale`` one per expert or one per output column per
+    expert; or, with ``block_size`` (= ``grouped_fp8_scale_block()``), ``a_scale`` [T, K / block] and
+    ``b_scale`` the expert's block grid, [G, K / block, N / block] (or [G, N / block, K / block]).
+    """
     tokens, k = a.shape
     groups = b.shape[0]
     n = b.shape[1] if trans_b else b.shape[2]
@@ -364,9 +412,11 @@ def grouped_gemm_fp8_triton(
     if k == 0 or groups == 0:
         return out.zero_()
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
-    out_axis = 1 if trans_b else 2
-    b_scale = b_scale.float()
+    out_axis, k_axis = (1, 2) if trans_b else (2, 1)
+    a_scale, b_scale = a_scale.float(), b_scale.float()
     stride_sbn = b_scale.stride(out_axis) if b_scale.shape[out_axis] > 1 else 0
+    stride_sbk = b_scale.stride(k_axis) if block_size else 0
+    stride_sam, stride_sak = a_scale.stride() if block_size else (0, 0)
     sms = num_sms(a.device)
     _launch(
         _grouped_gemm_fp8_kernel,
@@ -375,7 +425,7 @@ def grouped_gemm_fp8_triton(
         b,
         out,
         group_offs,
-        a_scale.float(),
+        a_scale,
         b_scale,
         groups,
         n,
@@ -385,13 +435,17 @@ def grouped_gemm_fp8_triton(
         stride_bk,
         stride_bn,
         out.stride(0),
+        stride_sam,
+        stride_sak,
         b_scale.stride(0),
         stride_sbn,
+        stride_sbk,
         DTYPES=f"{a.dtype}x{b.dtype}->{out_dtype}",
         TRANS_B=trans_b,
         DOT_PRECISION="tf32",
         SCALED=True,
         A_ROWWISE=a_scale.dim() > 0,
+        PER_BLOCK=bool(block_size),
         NUM_SMS=sms,
     )
     return out
@@ -404,9 +458,12 @@ def grouped_gemm_fp8_variable_k_triton(
     rhs_scale: torch.Tensor,
     group_offs: torch.Tensor,
     out_dtype: torch.dtype,
+    block_base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` of FP8 ``lhs`` [T, P] and ``rhs`` [T, Q] with 0-d
-    scales or contiguous [G, P] / [G, Q] per-(group, column) scales."""
+    scales or contiguous [G, P] / [G, Q] per-(group, column) scales; or, with ``block_base`` (the int64
+    [G] first scale row of each group), [rows, P] / [rows, Q] scales with one row per
+    ``grouped_fp8_scale_block()`` tokens of a group (``quantize_fp8_group_blocks``)."""
     groups = group_offs.numel() - 1
     p, q = lhs.shape[1], rhs.shape[1]
     out = torch.zeros((groups, p, q), dtype=out_dtype, device=lhs.device)
@@ -416,6 +473,8 @@ def grouped_gemm_fp8_variable_k_triton(
     def grid(meta: dict) -> tuple[int, int]:
         return (groups, triton.cdiv(p, meta["BLOCK_M"]) * triton.cdiv(q, meta["BLOCK_N"]))
 
+    lhs_scale, rhs_scale = lhs_scale.float().contiguous(), rhs_scale.float().contiguous()
+    per_block = block_base is not None
     _launch(
         _grouped_gemm_fp8_variable_k_kernel,
         grid,
@@ -423,8 +482,9 @@ def grouped_gemm_fp8_variable_k_triton(
         rhs,
         out,
         group_offs,
-        lhs_scale.float().contiguous(),
-        rhs_scale.float().contiguous(),
+        lhs_scale,
+        rhs_scale,
+        block_base if per_block else group_offs,
         groups,
         p,
         q,
@@ -432,10 +492,13 @@ def grouped_gemm_fp8_variable_k_triton(
         rhs.stride(0),
         out.stride(0),
         out.stride(1),
+        lhs_scale.stride(0) if per_block else 0,
+        rhs_scale.stride(0) if per_block else 0,
         ACCUMULATE=False,
         DTYPES=f"{lhs.dtype}x{rhs.dtype}->{out_dtype}",
         DOT_PRECISION="tf32",
         SCALED=True,
         PER_COLUMN=lhs_scale.dim() > 0,
+        PER_BLOCK=per_block,
     )
     return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_fp8_impl as impl
 from primus_turbo.pytorch.ops import grouped_gemm_fp8
 from tests.pytorch.ops.test_grouped_gemm import _group_lens, _operands, _reference
@@ -48,6 +48,51 @@ def test_forward_dgrad_wgrad_snr(backend, granularity, kind, trans_b, fmt):
             assert compute_snr(ref_b[g], b.grad[g]) >= GRAD_GATE[fmt]
         else:
             assert torch.all(b.grad[g] == 0)
+
+
+BLOCK = 128 if DEVICE == "cuda" else 32
+
+
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID], ids=lambda f: f.name.lower())
+@pytest.mark.parametrize("trans_b", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one-group"])
+@pytest.mark.parametrize("backend", [BackendType.TORCH, BackendType.TRITON], ids=lambda b: b.name)
+def test_blockwise_forward_dgrad_wgrad_snr(backend, kind, trans_b, fmt):
+    """Group sizes that are not multiples of the block (and groups spanning several blocks)."""
+    GlobalBackendManager.set_grouped_gemm_backend(backend, PrecisionType.FP8)
+    lens = _group_lens(kind, 4, BLOCK + BLOCK // 2 + 3)
+    a, b, grad = _operands(lens, 2 * BLOCK, 3 * BLOCK, trans_b, torch.bfloat16)
+    config = Float8QuantConfig(format=fmt, granularity=G.BLOCKWISE, block_size=BLOCK)
+    out = grouped_gemm_fp8(a, b, lens, trans_b=trans_b, config=config)
+    out.backward(grad)
+    ref_out, ref_a, ref_b = _reference(a, b, lens, trans_b, grad)
+    assert compute_snr(ref_out, out) >= OUT_GATE[fmt]
+    assert compute_snr(ref_a, a.grad) >= GRAD_GATE[fmt]
+    for g in range(lens.shape[0]):
+        if lens[g] > 0:
+            assert compute_snr(ref_b[g], b.grad[g]) >= GRAD_GATE[fmt]
+        else:
+            assert torch.all(b.grad[g] == 0)
+
+
+def test_group_block_quantization_restarts_blocks_at_each_group():
+    block = 4
+    lens = torch.tensor([6, 0, 3, 9], dtype=torch.int64, device=DEVICE)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    x = torch.randn(18, 5, device=DEVICE)
+    x[9:] *= 100
+    x[12, 1] = float("nan")
+    q, scale = impl.quantize_fp8_group_blocks_impl(x, offs, torch.float8_e4m3fn, block)
+    assert scale.shape == (-(-18 // block) + 4, 5)
+    # blocks: group 0 -> rows 0-3, 4-5; group 2 -> 6-8; group 3 -> 9-12, 13-16, 17
+    expected_rows = [(0, 4), (4, 6), (6, 9), (9, 13), (13, 17), (17, 18)]
+    for i, (lo, hi) in enumerate(expected_rows):
+        if i == 3:
+            assert torch.isnan(scale[i, 1]) and torch.isfinite(scale[i, [0, 2, 3, 4]]).all()
+            continue
+        torch.testing.assert_close(scale[i], x[lo:hi].abs().amax(0) / 448)
+    assert torch.all(scale[len(expected_rows) :] == 1)
+    assert q[9:13, 0].float().abs().max() == 448
 
 
 def test_group_column_quantization_scales_each_group_on_its_own():
@@ -103,16 +148,86 @@ def test_opcheck_and_compile():
         assert torch.equal(x.grad, y.grad)
 
 
+def test_blockwise_opcheck_and_compile():
+    lens = _group_lens("empty", 4, BLOCK // 2 + 5)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    a, b, grad = _operands(lens, 2 * BLOCK, BLOCK, True, torch.float32)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    qa, qb = a.detach().to(torch.float8_e4m3fn), b.detach().to(torch.float8_e4m3fn)
+    sa = torch.rand(a.shape[0], 2, device=DEVICE) + 0.5
+    sb = torch.rand(4, 1, 2, device=DEVICE) + 0.5
+    args = (qa, sa, qb, sb, offs, True, torch.bfloat16, BLOCK)
+    torch.library.opcheck(impl.grouped_gemm_fp8_impl, args, test_utils=utils)
+    quantized = (a.detach(), offs, torch.float8_e4m3fn, BLOCK)
+    torch.library.opcheck(impl.quantize_fp8_group_blocks_impl, quantized, test_utils=utils)
+    ql, sl = impl.quantize_fp8_group_blocks_impl(*quantized)
+    qr, sr = impl.quantize_fp8_group_blocks_impl(grad, offs, torch.float8_e5m2, BLOCK)
+    args = (ql, sl, qr, sr, offs, torch.float32, BLOCK)
+    torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_impl, args, test_utils=utils)
+    config = Float8QuantConfig(format=Format.HYBRID, granularity=G.BLOCKWISE, block_size=BLOCK)
+
+    def step(a, b):
+        return grouped_gemm_fp8(a, b, lens, trans_b=True, config=config).float().square().sum()
+
+    leaves = [a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    eager = [a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
+    step(*eager).backward()
+    for x, y in zip(leaves, eager, strict=True):
+        assert torch.equal(x.grad, y.grad)
+
+
 def test_bad_input_raises_clear_error():
     lens = _group_lens("balanced", 3, 4)
     a, b, _ = _operands(lens, 32, 16, False, torch.bfloat16)
     blockwise = Float8QuantConfig(granularity=G.BLOCKWISE, block_size=128)
-    with pytest.raises(ValueError, match="TENSORWISE or ROWWISE"):
+    with pytest.raises(ValueError, match="multiples of block_size"):
         grouped_gemm_fp8(a, b, lens, config=blockwise)
+    mx = Float8QuantConfig(granularity=G.MX_BLOCKWISE, block_size=32, scale_dtype=ScaleDtype.E8M0)
+    with pytest.raises(ValueError, match="TENSORWISE, ROWWISE or BLOCKWISE"):
+        grouped_gemm_fp8(a, b, lens, config=mx)
     with pytest.raises(TypeError, match="Float8QuantConfig"):
         grouped_gemm_fp8(a, b, lens, config="fp8")
     with pytest.raises(ValueError, match="groups but b has"):
         grouped_gemm_fp8(a, b, lens[:-1])
+
+
+def test_triton_block_kernels_match_the_reference():
+    """The Triton forward and variable-K kernels in block mode against the TORCH reference paths."""
+    from primus_turbo.triton.grouped_gemm import (
+        grouped_fp8_scale_block,
+        grouped_gemm_fp8_triton,
+        grouped_gemm_fp8_variable_k_triton,
+    )
+
+    block = grouped_fp8_scale_block()
+    lens = torch.tensor([block + 5, 0, 2 * block, 7], dtype=torch.int64, device=DEVICE)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    tokens, k, n = int(lens.sum()), 2 * block, 3 * block
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(tokens, k, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
+    b = torch.randn(4, n, k, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
+    sa = (torch.rand(tokens, k // block, generator=gen) + 0.5).to(DEVICE)
+    sb = (torch.rand(4, n // block, k // block, generator=gen) + 0.5).to(DEVICE)
+    args = (a, sa, b, sb, offs, True, torch.float32)
+    out = grouped_gemm_fp8_triton(*args, block)
+    ref = impl.TorchGroupedGemmFp8Backend.execute(*args, block_size=block)
+    assert compute_snr(ref, out) >= 60
+    rows = impl.group_block_count(tokens, 4, block)
+    sl = (torch.rand(rows, k, generator=gen) + 0.5).to(DEVICE)
+    grad = torch.randn(tokens, n, generator=gen).to(DEVICE).to(torch.float8_e5m2)
+    sr = (torch.rand(rows, n, generator=gen) + 0.5).to(DEVICE)
+    base = impl.group_block_base(offs, block)
+    wgrad = grouped_gemm_fp8_variable_k_triton(a, sl, grad, sr, offs, torch.float32, base)
+    token_rows, _ = impl.group_block_rows(offs, tokens, block)
+    left, right = a.double() * sl[token_rows].double(), grad.double() * sr[token_rows].double()
+    bounds = offs.tolist()
+    for g in range(4):
+        expected = left[bounds[g] : bounds[g + 1]].t() @ right[bounds[g] : bounds[g + 1]]
+        if lens[g] == 0:
+            assert torch.all(wgrad[g] == 0)
+        else:
+            assert compute_snr(expected, wgrad[g]) >= 60
 
 
 @pytest.mark.parametrize("per_column", [False, True], ids=["tensor", "per-column"])

@@ -4,10 +4,17 @@ variable-K (wgrad) GEMM needs.
 - ``primus_turbo::grouped_gemm_fp8``: [T, N] = per group ``(a * a_scale) @ op(b[g] * b_scale[g])`` with
   ``a`` [T, K], ``b`` [G, K, N] (or [G, N, K] with ``trans_b``); ``a_scale`` is 0-d (tensorwise) or
   [T, 1] (per row), ``b_scale`` broadcasts against ``b`` ([G, 1, 1] per expert, or per row along K).
+  With ``block_size`` B (block scaling): ``a_scale`` [T, K / B] and ``b_scale`` each expert's B x B
+  block grid, [G, K / B, N / B] (or [G, N / B, K / B]).
 - ``primus_turbo::grouped_gemm_fp8_variable_k``: [G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` over the
-  group's rows, with 0-d scales or one scale per (group, column) ([G, P] and [G, Q]).
+  group's rows, with 0-d scales or one scale per (group, column) ([G, P] and [G, Q]); with
+  ``block_size`` B, one scale row per B tokens of each group (``quantize_fp8_group_blocks``).
 - ``primus_turbo::quantize_fp8_group_columns``: x [T, C] quantized along its rows within each group,
   one scale per (group, column): the wgrad operands of the row-wise recipe.
+- ``primus_turbo::quantize_fp8_group_blocks``: x [T, C] quantized along its rows in blocks of B tokens
+  counted from each group's first token, one scale per (block, column): the wgrad operands of the
+  block recipe. The scale tensor has ``ceil(T / B) + G`` rows (an upper bound on the blocks, so that
+  its size does not depend on the group sizes); rows past the last block hold 1.
 
 Backends: TRITON (the persistent grouped FP8 kernel, no host sync), TORCH (dequantize and multiply:
 the reference, any device; a host sync on GPUs) and HIPBLASLT (``torch._scaled_grouped_mm``, row-wise
@@ -30,13 +37,21 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import tensorwise_multipliers
-from primus_turbo.triton.grouped_gemm import grouped_gemm_fp8_triton, grouped_gemm_fp8_variable_k_triton
+from primus_turbo.triton.grouped_gemm import (
+    grouped_fp8_scale_block,
+    grouped_gemm_fp8_triton,
+    grouped_gemm_fp8_variable_k_triton,
+)
 from primus_turbo.triton.utils.device_info import triton_runs_on, triton_unavailable_reason
 
 __all__ = [
     "GroupedGemmFp8Dispatcher",
+    "group_block_base",
+    "group_block_count",
+    "group_block_rows",
     "grouped_gemm_fp8_impl",
     "grouped_gemm_fp8_variable_k_impl",
+    "quantize_fp8_group_blocks_impl",
     "quantize_fp8_group_columns_impl",
 ]
 
@@ -46,6 +61,36 @@ def _group_ids(group_offs: torch.Tensor, tokens: int) -> torch.Tensor:
     groups = group_offs.numel() - 1
     lens = group_offs[1:] - group_offs[:-1]
     return torch.repeat_interleave(torch.arange(groups, device=group_offs.device), lens, output_size=tokens)
+
+
+def group_block_base(group_offs: torch.Tensor, block: int) -> torch.Tensor:
+    """First scale row of every group [G] for blocks of ``block`` tokens per group (no host sync)."""
+    lens = group_offs[1:] - group_offs[:-1]
+    blocks = torch.div(lens + block - 1, block, rounding_mode="floor")
+    return torch.cumsum(blocks, 0) - blocks
+
+
+def group_block_rows(group_offs: torch.Tensor, tokens: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale row of every token [T], first scale row of every group [G])`` for blocks of ``block``
+    tokens counted from each group's first token, from the device offsets (no host sync)."""
+    base = group_block_base(group_offs, block)
+    ids = _group_ids(group_offs, tokens)
+    position = torch.arange(tokens, device=group_offs.device) - group_offs[:-1][ids]
+    return base[ids] + torch.div(position, block, rounding_mode="floor"), base
+
+
+def group_block_count(tokens: int, groups: int, block: int) -> int:
+    """Rows of a ``quantize_fp8_group_blocks`` scale tensor: at least the blocks of any group sizes."""
+    return -(-tokens // block) + groups
+
+
+def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    """Per-element scales of a tensor of ``shape`` from one scale per ``block`` along each of its last
+    two dimensions (``scale`` [..., X / block, Y / block]) or along its last one ([..., Y / block])."""
+    out = scale.repeat_interleave(block, dim=-1)[..., : shape[-1]]
+    if scale.dim() == len(shape) and scale.shape[-2] != shape[-2]:
+        out = out.repeat_interleave(block, dim=-2)[..., : shape[-2], :]
+    return out
 
 
 def _segment_mm(lhs: torch.Tensor, rhs: torch.Tensor, group_offs: torch.Tensor) -> torch.Tensor:
@@ -65,7 +110,10 @@ class TorchGroupedGemmFp8Backend(KernelBackend):
     autotune = False
 
     @staticmethod
-    def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, **_: Any) -> torch.Tensor:
+    def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, block_size, **_: Any) -> torch.Tensor:
+        if block_size:
+            a_scale = _expand_blocks(a_scale, a.shape, block_size)
+            b_scale = _expand_blocks(b_scale, b.shape, block_size)
         rhs = b.float() * b_scale
         rhs = rhs.transpose(1, 2) if trans_b else rhs
         return _segment_mm(a.float() * a_scale, rhs, group_offs).to(out_dtype)
@@ -81,9 +129,11 @@ class HipblasltGroupedGemmFp8Backend(KernelBackend):
         return None
 
     @classmethod
-    def unsupported_reason(cls, a, a_scale, b, trans_b, out_dtype, **_: Any) -> str | None:
+    def unsupported_reason(cls, a, a_scale, b, trans_b, out_dtype, block_size, **_: Any) -> str | None:
         if a.device.type != "cuda":
             return f"needs GPU tensors, got {a.device}"
+        if block_size:
+            return "torch._scaled_grouped_mm has no block scaling"
         if a_scale.dim() != 2 or not trans_b:
             return "handles row-wise scales with [G, N, K] weights only"
         if out_dtype != torch.bfloat16 or a.shape[1] % 16 or b.shape[1] % 16:
@@ -107,12 +157,16 @@ class TritonGroupedGemmFp8Backend(KernelBackend):
         return triton_unavailable_reason()
 
     @classmethod
-    def unsupported_reason(cls, a, **_: Any) -> str | None:
-        return None if triton_runs_on(a.device) else "CPU tensors need TRITON_INTERPRET=1"
+    def unsupported_reason(cls, a, block_size, **_: Any) -> str | None:
+        if not triton_runs_on(a.device):
+            return "CPU tensors need TRITON_INTERPRET=1"
+        if block_size and block_size != grouped_fp8_scale_block():
+            return f"block scaling runs with blocks of {grouped_fp8_scale_block()}, not {block_size}"
+        return None
 
     @staticmethod
-    def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, **_: Any) -> torch.Tensor:
-        return grouped_gemm_fp8_triton(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype)
+    def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, block_size, **_: Any) -> torch.Tensor:
+        return grouped_gemm_fp8_triton(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, block_size)
 
 
 class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
@@ -126,8 +180,9 @@ class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
     }
 
     @classmethod
-    def make_key(cls, a, a_scale, b, trans_b, out_dtype, **_: Any) -> Hashable:
-        return (a.device.type, 1 << max(a.shape[0] - 1, 0).bit_length(), *b.shape, a_scale.dim(), trans_b)
+    def make_key(cls, a, a_scale, b, trans_b, out_dtype, block_size, **_: Any) -> Hashable:
+        tokens = 1 << max(a.shape[0] - 1, 0).bit_length()
+        return (a.device.type, tokens, *b.shape, a_scale.dim(), trans_b, block_size)
 
     @classmethod
     def default_backend(cls, a, **_: Any) -> BackendType:
@@ -143,8 +198,10 @@ def grouped_gemm_fp8_impl(
     group_offs: torch.Tensor,
     trans_b: bool,
     out_dtype: torch.dtype,
+    block_size: int = 0,
 ) -> torch.Tensor:
-    """[T, N] grouped product of FP8 operands with their dequantization scales."""
+    """[T, N] grouped product of FP8 operands with their dequantization scales (``block_size`` > 0:
+    block scaling)."""
     choice = GlobalBackendManager.get_grouped_gemm_backend(PrecisionType.FP8)
     return GroupedGemmFp8Dispatcher.dispatch(
         choice,
@@ -155,11 +212,12 @@ def grouped_gemm_fp8_impl(
         group_offs=group_offs,
         trans_b=trans_b,
         out_dtype=out_dtype,
+        block_size=block_size,
     )
 
 
 @grouped_gemm_fp8_impl.register_fake
-def _grouped_gemm_fp8_fake(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype):
+def _grouped_gemm_fp8_fake(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, block_size=0):
     return a.new_empty((a.shape[0], b.shape[1] if trans_b else b.shape[2]), dtype=out_dtype)
 
 
@@ -171,14 +229,19 @@ def grouped_gemm_fp8_variable_k_impl(
     rhs_scale: torch.Tensor,
     group_offs: torch.Tensor,
     out_dtype: torch.dtype,
+    block_size: int = 0,
 ) -> torch.Tensor:
     """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows."""
-    if lhs.device.type == "cuda":
-        return grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype)
     groups = group_offs.numel() - 1
-    ids = _group_ids(group_offs, lhs.shape[0])
-    left = lhs.float() * (lhs_scale[ids] if lhs_scale.dim() else lhs_scale)
-    right = rhs.float() * (rhs_scale[ids] if rhs_scale.dim() else rhs_scale)
+    if lhs.device.type == "cuda":
+        base = group_block_base(group_offs, block_size) if block_size else None
+        return grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, base)
+    if block_size:
+        rows, _ = group_block_rows(group_offs, lhs.shape[0], block_size)
+    else:
+        rows = _group_ids(group_offs, lhs.shape[0])
+    left = lhs.float() * (lhs_scale[rows] if lhs_scale.dim() else lhs_scale)
+    right = rhs.float() * (rhs_scale[rows] if rhs_scale.dim() else rhs_scale)
     if lhs.device.type == "cpu" and hasattr(torch, "_grouped_mm") and lhs.shape[0] > 0:
         out = torch._grouped_mm(left.t(), right, offs=group_offs[1:].to(torch.int32))
     else:
@@ -190,7 +253,7 @@ def grouped_gemm_fp8_variable_k_impl(
 
 
 @grouped_gemm_fp8_variable_k_impl.register_fake
-def _grouped_gemm_fp8_variable_k_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype):
+def _grouped_gemm_fp8_variable_k_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, block_size=0):
     return lhs.new_empty((group_offs.shape[0] - 1, lhs.shape[1], rhs.shape[1]), dtype=out_dtype)
 
 
@@ -215,4 +278,30 @@ def _quantize_fp8_group_columns_fake(x, group_offs, fp8_dtype):
     groups = group_offs.shape[0] - 1
     return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x.new_empty(
         (groups, x.shape[1]), dtype=torch.float32
+    )
+
+
+@custom_op("primus_turbo::quantize_fp8_group_blocks", mutates_args=())
+def quantize_fp8_group_blocks_impl(
+    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, C], scale_inv [ceil(T / B) + G, C])``: x quantized along its rows in blocks of
+    ``block_size`` tokens counted from each group's first token, one scale per (block, column), with
+    the scale rules of ``quantize_fp8``; unused scale rows hold 1."""
+    groups = group_offs.numel() - 1
+    rows, _ = group_block_rows(group_offs, x.shape[0], block_size)
+    mag = x.float().abs()
+    amax = mag.new_zeros((group_block_count(x.shape[0], groups, block_size), x.shape[1]))
+    amax = amax.scatter_reduce(0, rows[:, None].expand_as(mag), mag, "amax")
+    multiplier, scale_inv = tensorwise_multipliers(amax, fp8_dtype)
+    fp8_max = torch.finfo(fp8_dtype).max
+    q = (x.float() * multiplier[rows]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return q, scale_inv
+
+
+@quantize_fp8_group_blocks_impl.register_fake
+def _quantize_fp8_group_blocks_fake(x, group_offs, fp8_dtype, block_size):
+    count = group_block_count(x.shape[0], group_offs.shape[0] - 1, block_size)
+    return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x.new_empty(
+        (count, x.shape[1]), dtype=torch.float32
     )
