@@ -17,7 +17,8 @@
 #                       (default 8192x8192x8192) next to torch._scaled_mm
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
-#   GROUPED=1           also run the grouped GEMM benchmark (GROUPED_SHAPES, default quick)
+#   GROUPED=1           also run the grouped GEMM benchmark, bf16 and FP8 (GROUPED_SHAPES, default quick;
+#                       GROUPED_FP8, default "tensorwise rowwise blockwise")
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -109,6 +110,12 @@ if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
     --shapes "${GROUPED_SHAPES:-quick}" -o "$OUT/grouped_gemm.csv" 2>&1 \
     | tee "$OUT/bench_grouped_gemm.log" || status=1
+  for granularity in ${GROUPED_FP8:-tensorwise rowwise blockwise}; do
+    timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
+      --dtype fp8 --granularity "$granularity" --backends TRITON,DEFAULT --shapes "${GROUPED_SHAPES:-quick}" \
+      -o "$OUT/grouped_gemm_fp8_${granularity}.csv" 2>&1 | tee "$OUT/bench_grouped_gemm_fp8_${granularity}.log" \
+      || status=1
+  done
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \

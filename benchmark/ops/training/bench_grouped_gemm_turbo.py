@@ -101,9 +101,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
     p.add_argument("--backends", default="TRITON,TORCH,DEFAULT,AUTO")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument(
+        "--granularity",
+        choices=("tensorwise", "rowwise", "blockwise"),
+        default="tensorwise",
+        help="FP8 scaling with --dtype fp8 (rows from bench_grouped_gemm_fp8.py)",
+    )
     p.add_argument("-o", "--output", default="bench_grouped_gemm.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.dtype == "fp8":
+        run_fp8(args)
+        return
 
     from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
     from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import GroupedGemmDispatcher
@@ -170,6 +180,35 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def run_fp8(args: argparse.Namespace) -> None:
+    """The FP8 rows (``bench_grouped_gemm_fp8``), written to the CSV as they come."""
+    from benchmark.ops.training import bench_grouped_gemm_fp8
+
+    labels = [b.strip().upper() for b in args.backends.split(",") if b.strip()]
+    rows = []
+    with open(args.output, "w", newline="") as f:
+        writer = None
+        for case in cases(args.shapes):
+            for row in bench_grouped_gemm_fp8.bench_case(case, group_lens(case, args.device), labels, args):
+                LOG.info("%s", {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+                if writer is None:
+                    writer = csv.DictWriter(f, fieldnames=FP8_COLUMNS, extrasaction="ignore")
+                    writer.writeheader()
+                writer.writerow(row)
+                rows.append(row)
+            f.flush()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    bench_grouped_gemm_fp8.print_tables(rows, labels)
+
+
+FP8_COLUMNS = [
+    "Model", "GEMM", "EP", "Experts", "Tokens", "N", "K", "Routing", "Granularity", "Backend", "Selected",
+    "Check", "SNR dB", "GEMM ms", "GEMM TFLOPS", "Peer ms", "Peer TFLOPS", "Ratio vs peer", "BF16 ms",
+    "Ratio vs bf16", "Step ms", "BF16 Step ms", "Step ratio vs bf16", "Platform",
+]  # fmt: skip
 
 
 if __name__ == "__main__":
