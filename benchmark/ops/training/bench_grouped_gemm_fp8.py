@@ -14,7 +14,7 @@ Every group of calls interleaves call by call (``time_interleaved``).
 from __future__ import annotations
 
 import argparse
-import statistics
+from statistics import geometric_mean as geomean
 from typing import Any
 
 import torch
@@ -142,17 +142,13 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
 
 def summarize(rows: list[Row], labels: list[str]) -> list[list[Any]]:
     """Per label and routing: geomean GEMM ratio vs the scaled peer and vs bf16, and the step ratio."""
+    keys = ("Ratio vs peer", "Ratio vs bf16", "Step ratio vs bf16")
     lines = []
     for label in labels:
         for routing in ("balanced", "skewed"):
-            ok = [
-                r for r in rows if r["Backend"] == label and r["Routing"] == routing and r["Check"] == "PASS"
-            ]
-            line: list[Any] = [label, routing, len(ok)]
-            for key in ("Ratio vs peer", "Ratio vs bf16", "Step ratio vs bf16"):
-                values = [r[key] for r in ok if key in r]
-                line.append(f"{statistics.geometric_mean(values):.3f}" if values else "-")
-            lines.append(line)
+            ok = [r for r in rows if (r["Backend"], r["Routing"], r["Check"]) == (label, routing, "PASS")]
+            means = [[r[key] for r in ok if key in r] for key in keys]
+            lines.append([label, routing, len(ok)] + [f"{geomean(v):.3f}" if v else "-" for v in means])
     return lines
 
 
