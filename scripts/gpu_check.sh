@@ -101,10 +101,12 @@ if [ "${ATTN:-0}" = 1 ]; then
     | tee "$OUT/bench_attention.log" || status=1
 fi
 if [ "${MOE:-0}" = 1 ]; then
-  for bench in moe_router moe_permute; do
-    timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m "benchmark.ops.training.bench_$bench" \
-      -o "$OUT/$bench.csv" 2>&1 | tee "$OUT/bench_$bench.log" || status=1
+  for timer in graph events; do
+    timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_moe_router \
+      --timer "$timer" -o "$OUT/moe_router_$timer.csv" 2>&1 | tee "$OUT/bench_moe_router_$timer.log" || status=1
   done
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_moe_permute \
+    -o "$OUT/moe_permute.csv" 2>&1 | tee "$OUT/bench_moe_permute.log" || status=1
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

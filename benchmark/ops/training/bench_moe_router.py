@@ -23,7 +23,7 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream
 from benchmark.ops.training.config import MOE_MODELS
 
 LOG = logging.getLogger("bench_moe_router")
@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument(
+        "--timer",
+        choices=("events", "graph"),
+        default="events",
+        help="events: eager calls (host launch cost counts where it exceeds the device time); "
+        "graph: CUDA-graph replays (device time only)",
+    )
     p.add_argument("-o", "--output", default="bench_moe_router.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -70,11 +77,14 @@ def main(argv: list[str] | None = None) -> None:
                 "compiled": functools.partial(torch.compile(router_fwd_reference), logits, *plain),
             }
             grads = (torch.randn_like(logits), torch.randn_like(logits))
-            with torch.no_grad():
-                fwd = time_interleaved(list(calls.values()), None, args.device)
-            steps = [functools.partial(_step, call, grads) for call in calls.values()]
-            both = time_interleaved(steps, [logits], args.device)
+            graph = args.device == "cuda" and args.timer == "graph"
+            with timing_stream(graph):
+                with torch.no_grad():
+                    fwd = time_interleaved(list(calls.values()), None, args.device, graph)
+                steps = [functools.partial(_step, call, grads) for call in calls.values()]
+                both = time_interleaved(steps, [logits], args.device, graph)
             row = {"Case": label, "Tokens": tokens, "Experts": experts, "Topk": topk, "Groups": groups}
+            row["Timer"] = args.timer
             for name, f, fb in zip(calls, fwd, both, strict=True):
                 row[f"{name} fwd us"], row[f"{name} fwd+bwd us"] = f * 1e3, fb * 1e3
             row["fwd+bwd vs eager"] = row["eager fwd+bwd us"] / row["turbo fwd+bwd us"]
