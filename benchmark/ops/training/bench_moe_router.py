@@ -78,11 +78,15 @@ def main(argv: list[str] | None = None) -> None:
             }
             grads = (torch.randn_like(logits), torch.randn_like(logits))
             graph = args.device == "cuda" and args.timer == "graph"
-            with timing_stream(graph):
-                with torch.no_grad():
-                    fwd = time_interleaved(list(calls.values()), None, args.device, graph)
-                steps = [functools.partial(_step, call, grads) for call in calls.values()]
-                both = time_interleaved(steps, [logits], args.device, graph)
+            try:
+                with timing_stream(graph):
+                    with torch.no_grad():
+                        fwd = time_interleaved(list(calls.values()), None, args.device, graph)
+                    steps = [functools.partial(_step, call, grads) for call in calls.values()]
+                    both = time_interleaved(steps, [logits], args.device, graph)
+            except RuntimeError as exc:  # e.g. a side that cannot be captured in a CUDA graph
+                LOG.warning("%s, %d tokens: %s", label, tokens, str(exc).splitlines()[0][:200])
+                continue
             row = {"Case": label, "Tokens": tokens, "Experts": experts, "Topk": topk, "Groups": groups}
             row["Timer"] = args.timer
             for name, f, fb in zip(calls, fwd, both, strict=True):
