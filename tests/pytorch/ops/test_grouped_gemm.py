@@ -126,6 +126,26 @@ def test_autotune_caches_by_shape_class():
     assert len(keys) <= 2
 
 
+def test_autotune_times_torch_grouped_mm(monkeypatch):
+    """``torch._grouped_mm`` (the TORCH backend) is a candidate: the autotuner must not pick a slower
+    Triton kernel for lack of a competitor."""
+    from primus_turbo.pytorch.core import backend as backend_module
+
+    timed = []
+
+    def fake_timings(fns, *args, **kwargs):
+        timed.append(set(fns))
+        return {b: (1.0 if b is BackendType.TORCH else 2.0) for b in fns}
+
+    monkeypatch.setattr(backend_module, "_time_candidates", fake_timings)
+    GlobalBackendManager.set_auto_tune(True)
+    lens = _group_lens("balanced", 4, 16)
+    a, b, _ = _operands(lens, 48, 40, False, torch.float32)
+    grouped_gemm(a.detach(), b.detach(), lens)
+    assert impl.GroupedGemmDispatcher.last_selected() is BackendType.TORCH
+    assert all(BackendType.TORCH in candidates for candidates in timed)
+
+
 @pytest.mark.deterministic
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_deterministic(backend):

@@ -64,9 +64,10 @@ def _ends(group_offs: torch.Tensor) -> torch.Tensor:
 
 
 class TorchGroupedGemmBackend(KernelBackend):
-    """``torch._grouped_mm``, or a loop of ``torch.mm`` over the groups (host sync) where it is missing."""
+    """``torch._grouped_mm``, or a loop of ``torch.mm`` over the groups (host sync) where it is missing.
 
-    autotune = False
+    An autotune candidate: on GPUs ``torch._grouped_mm`` is the vendor kernel the Triton one competes with.
+    """
 
     @staticmethod
     def execute(a, b, group_offs, trans_b, **_: Any) -> torch.Tensor:
@@ -161,9 +162,8 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
 
 
 class TorchGroupedGemmVariableKBackend(KernelBackend):
-    """``torch._grouped_mm`` over the token dimension, or a per-group loop (host sync)."""
-
-    autotune = False
+    """``torch._grouped_mm`` over the token dimension, or a per-group loop (host sync); an autotune
+    candidate like ``TorchGroupedGemmBackend``."""
 
     @staticmethod
     def execute(lhs, rhs, group_offs, out=None, **_: Any) -> torch.Tensor:
