@@ -18,6 +18,10 @@ paths:
 ``topk_idx`` values are checked where they are on the host (or with ``PRIMUS_TURBO_DEBUG_CHECKS=1``),
 with one small all-reduce so that a bad value on one rank raises on all of them.
 
+With the ``DEEP_EP`` backend selected, ``Buffer(...)`` returns the external package's own
+``deep_ep.Buffer`` built from the same arguments (an error names the missing package where it does not
+import), and ``buffer_size_hints`` asks that package's configs for the staging sizes.
+
 The per-rank sums of ``combine`` run rank by rank in a fixed order, so results are deterministic.
 """
 
@@ -34,7 +38,7 @@ from primus_turbo.common.constants import ENV_DEBUG_CHECKS
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.kernels.moe.permute_impl import take_rows
 
-__all__ = ["Buffer", "Config", "EventOverlap", "Handle"]
+__all__ = ["Buffer", "Config", "EventOverlap", "Handle", "buffer_size_hints"]
 
 
 class Config:
@@ -103,15 +107,48 @@ def _event(async_finish: bool, device: torch.device) -> EventOverlap:
     return EventOverlap()
 
 
+def _selected_backend() -> BackendType:
+    choice = GlobalBackendManager.get_moe_dispatch_combine_backend(PrecisionType.BF16_FP16_FP32)
+    return choice.backend if choice is not None and choice.backend is not None else BackendType.TORCH
+
+
+def _deep_ep():
+    """The external ``deep_ep`` package, or a ValueError that names it."""
+    try:
+        import deep_ep
+    except ImportError as exc:
+        raise ValueError(
+            "MoE dispatch/combine backend DEEP_EP needs the deep_ep package (DeepEP), which does not "
+            f"import here: {exc}"
+        ) from exc
+    return deep_ep
+
+
+def buffer_size_hints(group_size: int, hidden_bytes: int) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` a buffer for ``hidden_bytes`` per token needs under the
+    selected backend: the larger of its dispatch and combine configs' hints (0 for the all-to-all one)."""
+    impl = _deep_ep().Buffer if _selected_backend() is BackendType.DEEP_EP else Buffer
+    configs = (impl.get_dispatch_config(group_size), impl.get_combine_config(group_size))
+    nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, group_size) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes, group_size) for c in configs)
+    return nvl, rdma
+
+
 class Buffer:
     """Expert-parallel communication over ``group`` with DeepEP v1's calls (see the module docstring).
 
     ``num_nvl_bytes`` / ``num_rdma_bytes`` / ``low_latency_mode`` are accepted for compatibility; the
     all-to-all backend allocates nothing up front. The backend comes from
-    ``PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND`` or ``GlobalBackendManager``; TORCH is the one built here.
+    ``PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND`` or ``GlobalBackendManager``: TORCH (built here), or
+    DEEP_EP, for which the constructor returns a ``deep_ep.Buffer``.
     """
 
     num_sms: int = 20
+
+    def __new__(cls, group: dist.ProcessGroup, *args: object, **kwargs: object):
+        if _selected_backend() is BackendType.DEEP_EP:
+            return _deep_ep().Buffer(group, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -126,12 +163,11 @@ class Buffer:
     ) -> None:
         if low_latency_mode:
             raise ValueError("low-latency mode is not implemented; use the normal dispatch/combine")
-        choice = GlobalBackendManager.get_moe_dispatch_combine_backend(PrecisionType.BF16_FP16_FP32)
-        backend = choice.backend if choice is not None and choice.backend is not None else BackendType.TORCH
+        backend = _selected_backend()
         if backend is not BackendType.TORCH:
             raise ValueError(
                 f"MoE dispatch/combine backend {backend.name} is not available in this build; TORCH "
-                "(all-to-all over torch.distributed) is"
+                "(all-to-all over torch.distributed) and DEEP_EP (the deep_ep package) are"
             )
         self.group = group
         self.rank = dist.get_rank(group)

@@ -10,22 +10,27 @@ import torch
 import torch.distributed as dist
 
 from primus_turbo.pytorch.deep_ep import Buffer, Handle
+from primus_turbo.pytorch.deep_ep.buffer import buffer_size_hints
 
 __all__ = ["moe_combine", "moe_dispatch"]
 
 _BUFFERS: dict[dist.ProcessGroup, Buffer] = {}
 
 
-def _buffer(group: dist.ProcessGroup) -> Buffer:
-    if group not in _BUFFERS:
-        _BUFFERS[group] = Buffer(group)
-    return _BUFFERS[group]
+def _buffer(group: dist.ProcessGroup, hidden_bytes: int) -> Buffer:
+    """The group's buffer, rebuilt when the selected backend needs more staging memory for
+    ``hidden_bytes`` per token than it holds."""
+    nvl, rdma = buffer_size_hints(dist.get_world_size(group), hidden_bytes)
+    buffer = _BUFFERS.get(group)
+    if buffer is None or buffer.num_nvl_bytes < nvl or buffer.num_rdma_bytes < rdma:
+        _BUFFERS[group] = buffer = Buffer(group, nvl, rdma)
+    return buffer
 
 
 class _DispatchFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, num_experts, group, num_worst_tokens):
-        buffer = _buffer(group)
+        buffer = _buffer(group, x.shape[1] * x.element_size())
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_idx, recv_weights, _, handle, _ = buffer.dispatch(
             x,
@@ -50,7 +55,7 @@ class _DispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_counts, _grad_handle):
         (recv_idx,) = ctx.saved_tensors
-        buffer = _buffer(ctx.group)
+        buffer = _buffer(ctx.group, 0)  # the buffer the forward's handle belongs to
         grad_x = buffer.combine(grad_recv_x, ctx.handle)[0] if grad_recv_x is not None else None
         grad_weights = None
         if grad_recv_weights is not None:  # only the slots of this rank's experts carried a weight
@@ -62,12 +67,12 @@ class _CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, handle, group):
         ctx.group, ctx.handle = group, handle
-        combined, _, _ = _buffer(group).combine(x, handle)
+        combined, _, _ = _buffer(group, x.shape[1] * x.element_size()).combine(x, handle)
         return combined
 
     @staticmethod
     def backward(ctx, grad):
-        recv, *_ = _buffer(ctx.group).dispatch(grad.contiguous(), handle=ctx.handle)
+        recv, *_ = _buffer(ctx.group, 0).dispatch(grad.contiguous(), handle=ctx.handle)
         return recv, None, None
 
 
