@@ -133,7 +133,9 @@ def quantize_fp8(
       edge blocks are allowed. ``scale_inv`` holds one fp32 value per block.
     - MX_BLOCKWISE: blocks of 32 along ``axis`` with E8M0 power-of-two scales.
 
-    ``q`` is contiguous with ``x``'s shape. See the module docstring for zeros, saturation and NaN/inf.
+    ``q`` is contiguous with ``x``'s shape. The scales of 1-D blocks (BLOCKWISE along ``axis``, MX) are
+    stored block-major: the slowest-varying dimension is the block index along ``axis``, the layout
+    cuBLASLt's block-scaled GEMMs read. See the module docstring for zeros, saturation and NaN/inf.
     """
     _check_input(x, out_dtype)
     block, dim, block_2d = _resolve(x.shape, granularity, block_size, axis, scaling_recipe)

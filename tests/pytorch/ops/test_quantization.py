@@ -233,6 +233,31 @@ def test_opcheck(granularity, kwargs):
 
 
 @pytest.mark.parametrize(
+    "shape,granularity,kwargs",
+    [
+        ((4, 16, 96), G.BLOCKWISE, {"block_size": 32, "axis": -1}),
+        ((4, 64, 12), G.BLOCKWISE, {"block_size": 32, "axis": 1}),
+        ((64, 96), G.BLOCKWISE, {"block_size": 32, "axis": 0}),
+        ((4, 16, 96), G.MX_BLOCKWISE, {"axis": -1}),
+        ((4, 16, 96), G.ROWWISE, {"axis": 1}),
+    ],
+    ids=["blocks-last-3d", "blocks-middle-3d", "blocks-axis0", "mx-last-3d", "rows-middle-3d"],
+)
+def test_fake_scale_strides_match_real(shape, granularity, kwargs):
+    """1-D block scales are stored block-major; the fake impl must say so (compiled graphs plan with it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = _input(shape)
+    block, axis, block_2d = _resolve(x, granularity, kwargs)
+    args = (E4M3, granularity.value, block, axis, block_2d)
+    q, scale = impl.quantize_fp8_impl(x, *args)
+    with FakeTensorMode() as mode:
+        fake_q, fake_scale = impl.quantize_fp8_impl(mode.from_tensor(x), *args)
+    assert (fake_q.shape, fake_q.stride()) == (q.shape, q.stride())
+    assert (fake_scale.shape, fake_scale.stride()) == (scale.shape, scale.stride())
+
+
+@pytest.mark.parametrize(
     "granularity,kwargs",
     WITH_TRANS,
     ids=["tensorwise", "rowwise", "blockwise32", "blockwise128", "block2d", "mx"],

@@ -160,22 +160,24 @@ def _quantize_2d_reference(
     return q.view(n_r * group_rows, n_c * group_cols)[:rows, :cols], stored
 
 
-def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path) -> torch.Tensor:
-    """Quantize the 2-D view ``x`` into the 2-D view ``q``; returns the (n_r, n_c) scales."""
+def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path, block_major=False) -> torch.Tensor:
+    """Quantize the 2-D view ``x`` into the 2-D view ``q``; returns the (n_r, n_c) scales, stored
+    block-major (each block's rows adjacent) when ``block_major``."""
     rows, cols = x.shape
     if not triton_path or cols == 0:
         q_ref, scale = _quantize_2d_reference(x, fp8_dtype, group_rows, group_cols, mx)
         q.copy_(q_ref)
-        return scale
+        return _block_major(scale) if block_major else scale
     group_cols = group_cols or cols
     shape = (-(-rows // group_rows), -(-cols // group_cols))
-    if mx:
-        scale = torch.empty(shape, dtype=torch.uint8, device=x.device)
-        quantize_fp8_groups_triton(x, q, scale, group_cols, group_rows, mx_emax(fp8_dtype))
-        return scale.view(torch.float8_e8m0fnu)
-    scale = torch.empty(shape, dtype=torch.float32, device=x.device)
-    quantize_fp8_groups_triton(x, q, scale, group_cols, group_rows)
-    return scale
+    dtype = torch.uint8 if mx else torch.float32
+    scale = (
+        _block_major_empty(*shape, dtype, x.device)
+        if block_major
+        else torch.empty(shape, dtype=dtype, device=x.device)
+    )
+    quantize_fp8_groups_triton(x, q, scale, group_cols, group_rows, mx_emax(fp8_dtype) if mx else None)
+    return scale.view(torch.float8_e8m0fnu) if mx else scale
 
 
 def _quantize(
@@ -202,14 +204,15 @@ def _quantize(
         return _saturate_cast(x.float() * multiplier, out_dtype), scale_inv
     groups = _groups(x.shape, granularity, block_size, axis, block_2d)
     mx = granularity == _MX
+    one_d = _one_d_blocks(groups)
     moved = x.movedim(groups.axis, -1)
     if x.dim() == 2 and groups.axis == 0:
         q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        scale = _quantize_2d(moved, q.t(), out_dtype, groups.rows, groups.cols, mx, triton_path)
+        scale = _quantize_2d(moved, q.t(), out_dtype, groups.rows, groups.cols, mx, triton_path, one_d)
         return q, scale.t()
     x2d = moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1])
     q2d = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
-    scale = _quantize_2d(x2d, q2d, out_dtype, groups.rows, groups.cols, mx, triton_path)
+    scale = _quantize_2d(x2d, q2d, out_dtype, groups.rows, groups.cols, mx, triton_path, one_d)
     if groups.rows > 1:
         return q2d.view(x.shape), scale
     q = q2d.view(moved.shape).movedim(-1, groups.axis).contiguous()
@@ -222,6 +225,11 @@ def quantize_fp8_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The TORCH path of ``quantize_fp8`` (the numerics every kernel must reproduce bit for bit)."""
     return _quantize(x, out_dtype, granularity, block_size, axis, block_2d, triton_path=False)
+
+
+def _one_d_blocks(groups: _Groups) -> bool:
+    """1 x B groups (BLOCKWISE along one axis, MX): their scales are stored block-major."""
+    return groups.rows == 1 and groups.cols > 0
 
 
 def _block_major_empty(rows: int, blocks: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -262,10 +270,9 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
     q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
     groups = _groups(x.shape, granularity, block_size, 1, block_2d)
     q_t = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=x.device)
-    scale_t = _quantize_2d(x.t(), q_t, out_dtype, groups.rows, groups.cols, granularity == _MX, triton_path)
-    if granularity == _ROWWISE:
-        return q, scale, q_t, scale_t
-    return q, _block_major(scale), q_t, _block_major(scale_t)
+    mx, one_d = granularity == _MX, _one_d_blocks(groups)
+    scale_t = _quantize_2d(x.t(), q_t, out_dtype, groups.rows, groups.cols, mx, triton_path, one_d)
+    return q, scale, q_t, scale_t
 
 
 def quantize_fp8_with_trans_reference(
@@ -291,10 +298,14 @@ def _quantize_fp8_fake(x, out_dtype, granularity, block_size, axis, block_2d):
     if granularity == _TENSORWISE:
         return q, x.new_empty(shape, dtype=dtype)
     groups = _groups(x.shape, granularity, block_size, axis, block_2d)
+    # scales are computed with the grouped dimension last, then moved back
+    moved = [n for i, n in enumerate(shape) if i != groups.axis] + [shape[groups.axis]]
+    if _one_d_blocks(groups):
+        lead = moved[:-1]
+        scale = _block_major_empty(math.prod(lead), moved[-1], dtype, x.device).view(moved)
+        return q, scale.movedim(-1, groups.axis)
     if groups.axis == x.dim() - 1:
         return q, x.new_empty(shape, dtype=dtype)
-    # groups along another dimension are computed with that dimension last, then moved back
-    moved = [n for i, n in enumerate(shape) if i != groups.axis] + [shape[groups.axis]]
     return q, x.new_empty(moved, dtype=dtype).movedim(-1, groups.axis)
 
 
