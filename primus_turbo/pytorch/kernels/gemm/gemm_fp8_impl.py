@@ -24,7 +24,10 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
-from primus_turbo.pytorch.kernels.quantization.quantization_impl import dequantize_fp8_reference
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    dequantize_fp8_reference,
+    to_block_major,
+)
 from primus_turbo.triton.gemm.gemm_fp8_kernel import (
     SCALE_BLOCK_2D,
     SCALE_BLOCKS,
@@ -100,18 +103,13 @@ class HipblasltGemmFp8Backend(KernelBackend):
         elif granularity == _BLOCKWISE:
             # cuBLASLt reads 1 x 128 scales K-block-major and 128 x 128 ones as the row-major block grid;
             # torch takes b's scales transposed, like b
-            scale_a = a_scale if a_2d else _k_block_major(a_scale)
-            scale_b = (b_scale if b_2d else _k_block_major(b_scale)).t()
+            scale_a = a_scale if a_2d else to_block_major(a_scale)
+            scale_b = (b_scale if b_2d else to_block_major(b_scale)).t()
         else:
             scale_a, scale_b = a_scale, b_scale
         dtype = out_dtype if out is None else torch.bfloat16 if granularity == _ROWWISE else out.dtype
         product = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=dtype)
         return product if out is None else out.add_(product)
-
-
-def _k_block_major(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` (rows, K / block) with the rows of each K-block adjacent in memory."""
-    return scale.t().contiguous().t()
 
 
 def _triton_mode(granularity: int, block_2d: bool) -> int:

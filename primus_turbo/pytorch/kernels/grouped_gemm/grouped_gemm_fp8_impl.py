@@ -36,13 +36,16 @@ from primus_turbo.pytorch.core.backend import (
     PrecisionType,
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
-from primus_turbo.pytorch.kernels.quantization.quantization_impl import tensorwise_multipliers
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import expand_scale, tensorwise_multipliers
 from primus_turbo.triton.grouped_gemm import (
     grouped_fp8_scale_block,
     grouped_gemm_fp8_triton,
     grouped_gemm_fp8_variable_k_triton,
 )
 from primus_turbo.triton.utils.device_info import triton_runs_on, triton_unavailable_reason
+
+_BLOCKWISE = ScalingGranularity.BLOCKWISE.value
 
 __all__ = [
     "GroupedGemmFp8Dispatcher",
@@ -84,15 +87,6 @@ def group_block_count(tokens: int, groups: int, block: int) -> int:
     return -(-tokens // block) + groups
 
 
-def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
-    """Per-element scales of a tensor of ``shape`` from one scale per ``block`` along each of its last
-    two dimensions (``scale`` [..., X / block, Y / block]) or along its last one ([..., Y / block])."""
-    out = scale.repeat_interleave(block, dim=-1)[..., : shape[-1]]
-    if scale.dim() == len(shape) and scale.shape[-2] != shape[-2]:
-        out = out.repeat_interleave(block, dim=-2)[..., : shape[-2], :]
-    return out
-
-
 def _segment_mm(lhs: torch.Tensor, rhs: torch.Tensor, group_offs: torch.Tensor) -> torch.Tensor:
     """fp32 [T, N] = per group lhs[rows] @ rhs[g] (``torch._grouped_mm`` on the CPU, a loop elsewhere)."""
     if lhs.device.type == "cpu" and hasattr(torch, "_grouped_mm") and lhs.shape[0] > 0:
@@ -112,8 +106,8 @@ class TorchGroupedGemmFp8Backend(KernelBackend):
     @staticmethod
     def execute(a, a_scale, b, b_scale, group_offs, trans_b, out_dtype, block_size, **_: Any) -> torch.Tensor:
         if block_size:
-            a_scale = _expand_blocks(a_scale, a.shape, block_size)
-            b_scale = _expand_blocks(b_scale, b.shape, block_size)
+            a_scale = expand_scale(a_scale, a.shape, _BLOCKWISE, block_size, 1, False)
+            b_scale = expand_scale(b_scale, b.shape, _BLOCKWISE, block_size, 2, True)
         rhs = b.float() * b_scale
         rhs = rhs.transpose(1, 2) if trans_b else rhs
         return _segment_mm(a.float() * a_scale, rhs, group_offs).to(out_dtype)

@@ -28,6 +28,7 @@ __all__ = [
     "dequantize_fp8_impl",
     "dequantize_fp8_reference",
     "e8m0_scales_from_amax",
+    "expand_scale",
     "fp8_triton_usable",
     "mx_emax",
     "quantize_fp8_impl",
@@ -37,6 +38,7 @@ __all__ = [
     "scale_inv_shape",
     "finish_tensorwise_fp8",
     "tensorwise_multipliers",
+    "to_block_major",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -167,7 +169,7 @@ def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path, block
     if not triton_path or cols == 0:
         q_ref, scale = _quantize_2d_reference(x, fp8_dtype, group_rows, group_cols, mx)
         q.copy_(q_ref)
-        return _block_major(scale) if block_major else scale
+        return to_block_major(scale) if block_major else scale
     group_cols = group_cols or cols
     shape = (-(-rows // group_rows), -(-cols // group_cols))
     dtype = torch.uint8 if mx else torch.float32
@@ -237,10 +239,11 @@ def _block_major_empty(rows: int, blocks: int, dtype: torch.dtype, device: torch
     return torch.empty((blocks, rows), dtype=dtype, device=device).t()
 
 
-def _block_major(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` (rows, blocks) copied block-major (E8M0 codes moved as bytes)."""
+def to_block_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (rows, blocks) stored block-major, each block's rows adjacent (a copy unless it already
+    is; E8M0 codes move as bytes): the layout cuBLASLt reads 1 x 128 scales in."""
     if scale.dtype == torch.float8_e8m0fnu:
-        return _block_major(scale.view(torch.uint8)).view(scale.dtype)
+        return to_block_major(scale.view(torch.uint8)).view(scale.dtype)
     return scale.t().contiguous().t()
 
 
@@ -323,8 +326,7 @@ def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2
     dtype = _scale_dtype(granularity)
     row_scale = scale_inv_shape(x.shape, granularity, block_size, 1, block_2d)
     col_scale = scale_inv_shape(torch.Size((k, m)), granularity, block_size, 1, block_2d)
-    one_d_blocks = granularity == _MX or (granularity == _BLOCKWISE and not block_2d)
-    if one_d_blocks:
+    if _one_d_blocks(_groups(x.shape, granularity, block_size, 1, block_2d)):
         scales = (
             _block_major_empty(*row_scale, dtype, x.device),
             _block_major_empty(*col_scale, dtype, x.device),
@@ -334,9 +336,11 @@ def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2
     return x.new_empty((m, k), dtype=out_dtype), scales[0], x.new_empty((k, m), dtype=out_dtype), scales[1]
 
 
-def _expand_scale(
+def expand_scale(
     scale: torch.Tensor, shape: torch.Size, granularity: int, block_size: int, axis: int, block_2d: bool
-):
+) -> torch.Tensor:
+    """fp32 scales of a tensor of ``shape``, broadcastable against it: each group's scale repeated over
+    the group (2-D blocks tile the last two dimensions)."""
     scale = scale.float()
     if granularity in (_TENSORWISE, _ROWWISE):
         return scale
@@ -357,7 +361,7 @@ def dequantize_fp8_reference(
     block_2d: bool,
 ) -> torch.Tensor:
     """``q * scale_inv`` with the scales expanded over their groups, in ``out_dtype``."""
-    scale = _expand_scale(scale_inv, q.shape, granularity, block_size, axis, block_2d)
+    scale = expand_scale(scale_inv, q.shape, granularity, block_size, axis, block_2d)
     return (q.float() * scale).to(out_dtype).contiguous()
 
 
