@@ -14,16 +14,18 @@ from primus_turbo.pytorch.deep_ep.buffer import buffer_size_hints
 
 __all__ = ["moe_combine", "moe_dispatch"]
 
-_BUFFERS: dict[dist.ProcessGroup, Buffer] = {}
+# per group: the buffer and the bytes per token it was sized for
+_BUFFERS: dict[dist.ProcessGroup, tuple[Buffer, int]] = {}
 
 
 def _buffer(group: dist.ProcessGroup, hidden_bytes: int) -> Buffer:
-    """The group's buffer, rebuilt when the selected backend needs more staging memory for
-    ``hidden_bytes`` per token than it holds."""
-    nvl, rdma = buffer_size_hints(dist.get_world_size(group), hidden_bytes)
-    buffer = _BUFFERS.get(group)
-    if buffer is None or buffer.num_nvl_bytes < nvl or buffer.num_rdma_bytes < rdma:
-        _BUFFERS[group] = buffer = Buffer(group, nvl, rdma)
+    """The group's buffer, rebuilt (with the selected backend's staging sizes) only when rows of more
+    than the ``hidden_bytes`` it was sized for arrive."""
+    buffer, sized_for = _BUFFERS.get(group, (None, -1))
+    if buffer is None or hidden_bytes > sized_for:
+        nvl, rdma = buffer_size_hints(dist.get_world_size(group), hidden_bytes)
+        buffer = Buffer(group, nvl, rdma)
+        _BUFFERS[group] = buffer, hidden_bytes
     return buffer
 
 
