@@ -20,22 +20,10 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from benchmark.ops.training.bench_gemm_fp8 import BLOCK, quant_config
 from benchmark.ops.training.bench_utils import platform_name, time_interleaved
 
 Row = dict[str, Any]
-BLOCK = 128
-GRANULARITIES = ("tensorwise", "rowwise", "blockwise")
-
-
-def quant_config(name: str):
-    """HYBRID ``Float8QuantConfig`` of a ``--granularity`` name (E4M3 forward, E5M2 gradients)."""
-    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format
-    from primus_turbo.pytorch.core.low_precision import ScalingGranularity as G
-
-    if name == "blockwise":
-        return Float8QuantConfig(format=Format.HYBRID, granularity=G.BLOCKWISE, block_size=BLOCK)
-    granularity = G.ROWWISE if name == "rowwise" else G.TENSORWISE
-    return Float8QuantConfig(format=Format.HYBRID, granularity=granularity)
 
 
 def _scaled_peer(qa, sa, qb, sb, offs32, name: str):
