@@ -87,6 +87,18 @@ def _sequence(cu_ptr, b, S, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _head(ptr, b, h, s0, stride_b, stride_h, stride_s):
+    """Pointer to row ``s0`` of head ``h`` of batch ``b`` in a tensor with (batch, seq, head) strides."""
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + s0 * stride_s
+
+
+@triton.jit
+def _tile(base, rows, row_ok, stride_s, d, D):
+    """(pointers, mask) of the [rows, d] tile below ``base``, masked to valid rows and the first D dims."""
+    return base + rows[:, None].to(tl.int64) * stride_s + d[None, :], row_ok[:, None] & (d < D)[None, :]
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -144,14 +156,12 @@ def _attn_fwd_kernel(
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     row_ok = rows < seq_q
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q0 * stride_qs
-    q = tl.load(
-        q_base + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
-        mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
-        other=0.0,
+    q_ptrs, q_mask = _tile(
+        _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs), rows, row_ok, stride_qs, d_qk, D_QK
     )
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0 * stride_ks
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0 * stride_vs
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
+    v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
     if FP8:  # one scale per (batch, head, 64-token block) of q, k and v; a tile is one block
         q_blocks = tl.cdiv(S_Q, BLOCK_M)
         k_blocks = tl.cdiv(S_K, BLOCK_N)
@@ -176,11 +186,8 @@ def _attn_fwd_kernel(
             mask=col_ok[None, :] & (d_qk < D_QK)[:, None],
             other=0.0,
         )
-        v = tl.load(
-            v_base + cols[:, None].to(tl.int64) * stride_vs + d_v[None, :],
-            mask=col_ok[:, None] & (d_v < D_V)[None, :],
-            other=0.0,
-        )
+        v_ptrs, v_mask = _tile(v_base, cols, col_ok, stride_vs, d_v, D_V)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         if FP8:
             s = tl.dot(q, k) * (scale_log2 * tl.load(ks_ptr + kv_scales + start_n // BLOCK_N))
         else:
@@ -203,12 +210,10 @@ def _attn_fwd_kernel(
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q0 * stride_os
-    tl.store(
-        o_base + rows[:, None].to(tl.int64) * stride_os + d_v[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (d_v < D_V)[None, :],
+    o_ptrs, o_mask = _tile(
+        _head(o_ptr, b, h, q0, stride_ob, stride_oh, stride_os), rows, row_ok, stride_os, d_v, D_V
     )
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / _LOG2E, float("-inf"))
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0 + rows, lse, mask=row_ok)
 
@@ -273,18 +278,14 @@ def _attn_bwd_dkdv_kernel(
     col_ok = cols < seq_k
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
-    k = tl.load(
-        k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-        + (k0 + cols[:, None]) * stride_ks + d_qk[None, :],
-        mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
-        other=0.0,
-    )  # fmt: skip
-    v = tl.load(
-        v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-        + (k0 + cols[:, None]) * stride_vs + d_v[None, :],
-        mask=col_ok[:, None] & (d_v < D_V)[None, :],
-        other=0.0,
-    )  # fmt: skip
+    k_ptrs, k_mask = _tile(
+        _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks), cols, col_ok, stride_ks, d_qk, D_QK
+    )
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    v_ptrs, v_mask = _tile(
+        _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs), cols, col_ok, stride_vs, d_v, D_V
+    )
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # queries that may see this key block: i in [j - diag - right, j - diag + left]
@@ -299,22 +300,16 @@ def _attn_bwd_dkdv_kernel(
     scale_log2 = scale * _LOG2E
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q0 * stride_qs
-        do_base = do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q0 * stride_dos
+        q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
+        do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
         stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
         for start_m in range(q_lo, q_hi, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
             row_ok = rows < seq_q
-            q = tl.load(
-                q_base + rows[:, None].to(tl.int64) * stride_qs + d_qk[None, :],
-                mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
-                other=0.0,
-            )
-            do = tl.load(
-                do_base + rows[:, None].to(tl.int64) * stride_dos + d_v[None, :],
-                mask=row_ok[:, None] & (d_v < D_V)[None, :],
-                other=0.0,
-            )
+            q_ptrs, q_mask = _tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK)
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+            do_ptrs, do_mask = _tile(do_base, rows, row_ok, stride_dos, d_v, D_V)
+            do = tl.load(do_ptrs, mask=do_mask, other=0.0)
             lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
             # rows that saw no key have lse = -inf: their P is 0, not exp(-inf + inf)
@@ -327,18 +322,14 @@ def _attn_bwd_dkdv_kernel(
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q)
     dk = dk * scale
-    tl.store(
-        dk_ptr + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh
-        + (k0 + cols[:, None]) * stride_dks + d_qk[None, :],
-        dk.to(dk_ptr.dtype.element_ty),
-        mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
-    )  # fmt: skip
-    tl.store(
-        dv_ptr + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
-        + (k0 + cols[:, None]) * stride_dvs + d_v[None, :],
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=col_ok[:, None] & (d_v < D_V)[None, :],
-    )  # fmt: skip
+    dk_ptrs, dk_mask = _tile(
+        _head(dk_ptr, b, hk, k0, stride_dkb, stride_dkh, stride_dks), cols, col_ok, stride_dks, d_qk, D_QK
+    )
+    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=dk_mask)
+    dv_ptrs, dv_mask = _tile(
+        _head(dv_ptr, b, hk, k0, stride_dvb, stride_dvh, stride_dvs), cols, col_ok, stride_dvs, d_v, D_V
+    )
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=dv_mask)
 
 
 @triton.jit
@@ -397,25 +388,21 @@ def _attn_bwd_dq_kernel(
     row_ok = rows < seq_q
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        + (q0 + rows[:, None]) * stride_qs + d_qk[None, :],
-        mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
-        other=0.0,
-    )  # fmt: skip
-    do = tl.load(
-        do_ptr + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        + (q0 + rows[:, None]) * stride_dos + d_v[None, :],
-        mask=row_ok[:, None] & (d_v < D_V)[None, :],
-        other=0.0,
-    )  # fmt: skip
+    q_ptrs, q_mask = _tile(
+        _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs), rows, row_ok, stride_qs, d_qk, D_QK
+    )
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    do_ptrs, do_mask = _tile(
+        _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos), rows, row_ok, stride_dos, d_v, D_V
+    )
+    do = tl.load(do_ptrs, mask=do_mask, other=0.0)
     stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
     lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
     delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     scale_log2 = scale * _LOG2E
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + k0 * stride_ks
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k0 * stride_vs
+    k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
+    v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     lo, hi = _key_range(
         start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
@@ -424,16 +411,10 @@ def _attn_bwd_dq_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
-        k = tl.load(
-            k_base + cols[:, None].to(tl.int64) * stride_ks + d_qk[None, :],
-            mask=col_ok[:, None] & (d_qk < D_QK)[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + cols[:, None].to(tl.int64) * stride_vs + d_v[None, :],
-            mask=col_ok[:, None] & (d_v < D_V)[None, :],
-            other=0.0,
-        )
+        k_ptrs, k_mask = _tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v_ptrs, v_mask = _tile(v_base, cols, col_ok, stride_vs, d_v, D_V)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         band = _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
         p = tl.where(band, tl.math.exp2(s - lse2[:, None]), 0.0)
@@ -441,12 +422,10 @@ def _attn_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * scale
-    tl.store(
-        dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-        + (q0 + rows[:, None]) * stride_dqs + d_qk[None, :],
-        dq.to(dq_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (d_qk < D_QK)[None, :],
-    )  # fmt: skip
+    dq_ptrs, dq_mask = _tile(
+        _head(dq_ptr, b, h, q0, stride_dqb, stride_dqh, stride_dqs), rows, row_ok, stride_dqs, d_qk, D_QK
+    )
+    tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
 class Varlen(NamedTuple):
