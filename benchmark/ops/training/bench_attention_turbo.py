@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import logging
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from collections.abc import Callable
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
 from benchmark.ops.training.config import DEEPSEEK_V3, DENSE_MODELS
 
 LOG = logging.getLogger("bench_attention_turbo")
@@ -163,11 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     columns += ["Fwd+Bwd TFLOPS", "cudnn Fwd ratio", "cudnn Fwd+Bwd ratio"]
     columns += ["flash Fwd ratio", "flash Fwd+Bwd ratio"]
     print(tabulate([[r.get(c, "-") for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with open(args.output, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.output, rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import logging
 
@@ -24,6 +23,7 @@ import triton.testing
 from tabulate import tabulate
 
 from benchmark.ops.training.bench_gemm_layouts import LAYOUTS, operands
+from benchmark.ops.training.bench_utils import write_csv
 from benchmark.ops.training.config import SHAPE_SETS, gemm_shape_set
 
 LOG = logging.getLogger("bench_gemm_triton_configs")
@@ -185,10 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             LOG.info("%s %s best %s ratio %.3f", name, layout, best["Config"], best["Ratio"])
     print(tabulate(rows, headers="keys", floatfmt=".3f"))
     if rows:
-        with open(args.output, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.output, rows)
 
 
 if __name__ == "__main__":

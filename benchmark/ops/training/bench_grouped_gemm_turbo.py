@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
 from benchmark.ops.training.config import MOE_MODELS, MoEModelConfig
 
 LOG = logging.getLogger("bench_grouped_gemm_turbo")
@@ -175,11 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["Model", "GEMM", "EP", "Tokens", "Routing", "Backend", "Check", "Fwd TFLOPS"]
     columns += ["fwd vs grouped_mm", "bwd vs grouped_mm", "fwd vs loop"]
     print(tabulate([[r.get(c, "-") for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with open(args.output, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.output, rows)
 
 
 def run_fp8(args: argparse.Namespace) -> None:

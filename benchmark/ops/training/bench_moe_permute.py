@@ -14,14 +14,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import logging
 
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
 from benchmark.ops.training.config import MOE_MODELS
 
 LOG = logging.getLogger("bench_moe_permute")
@@ -92,10 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["Model", "Tokens", "Check", "permute TB/s", "torch permute TB/s", "unpermute TB/s"]
     columns += ["torch unpermute TB/s", "permute vs torch", "unpermute vs torch"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
-    with open(args.output, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.output, rows)
 
 
 if __name__ == "__main__":

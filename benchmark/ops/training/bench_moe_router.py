@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import logging
 
@@ -23,7 +22,7 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
 from benchmark.ops.training.config import MOE_MODELS
 
 LOG = logging.getLogger("bench_moe_router")
@@ -99,10 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["Case", "Tokens", "Experts", "Topk", "Groups", "turbo fwd+bwd us", "eager fwd+bwd us"]
     columns += ["compiled fwd+bwd us", "fwd+bwd vs eager", "fwd+bwd vs compiled"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
-    with open(args.output, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.output, rows)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import logging
 import math
@@ -26,7 +25,7 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
 from benchmark.ops.training.config import DEEPSEEK_V3, DENSE_MODELS, MOE_MODELS
 
 LOG = logging.getLogger("bench_norm_act_turbo")
@@ -241,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows += fused_rows(case, args)
         columns = ["Model", "Op", "Granularity", "Tokens", "Hidden", "vs unfused", "vs compiled"]
         print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
-        _write_csv(args.output, rows)
+        if rows:
+            write_csv(args.output, rows)
         return
     for case in cases(args.shapes):
         fn, ref = _turbo(case.op), REFERENCES[case.op]
@@ -263,15 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["Model", "Op", "Tokens", "Hidden", "fwd GB/s", "fwd of copy", "fwd vs compiled"]
     columns += ["bwd GB/s", "bwd of copy", "bwd vs compiled"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
-    _write_csv(args.output, rows)
-
-
-def _write_csv(path: str, rows: list[dict]) -> None:
     if rows:
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.output, rows)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import math
 import platform
 import statistics
@@ -152,3 +153,12 @@ def platform_name(device: str) -> str:
     if device == "cpu":
         return f"CPU {platform.machine()}"
     return f"{'ROCm' if torch.version.hip else 'CUDA'} {torch.cuda.get_device_name()}"
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """Write ``rows`` to ``path`` with every key any row has as a column, in first-seen order."""
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
