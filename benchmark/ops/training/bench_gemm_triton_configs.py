@@ -29,13 +29,15 @@ from benchmark.ops.training.config import SHAPE_SETS, gemm_shape_set
 LOG = logging.getLogger("bench_gemm_triton_configs")
 
 # FP8 tiles worth timing beyond the autotune list: (BLOCK_M, BLOCK_N, stages, warps), BLOCK_K 128
+# BLOCK_M, BLOCK_N, stages, warps, programs per SM, GROUP_M
 FP8_CANDIDATES = [
-    (128, 128, 3, 8),
-    (128, 128, 5, 8),
-    (256, 128, 3, 8),
-    (128, 256, 4, 8),
-    (64, 256, 4, 4),
-    (128, 128, 4, 4),
+    (64, 128, 3, 4, 2, 4),
+    (64, 128, 3, 4, 2, 16),
+    (64, 128, 2, 4, 3, 8),
+    (128, 64, 3, 4, 2, 8),
+    (128, 128, 3, 8, 1, 8),
+    (128, 128, 5, 8, 1, 8),
+    (256, 128, 3, 8, 1, 8),
 ]
 
 
@@ -66,8 +68,12 @@ def fp8_candidates(granularity: str) -> list[tuple[str, triton.Config | None]]:
     from primus_turbo.triton.gemm.gemm_fp8_kernel import kernel_configs
 
     configs = kernel_configs() + [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in FP8_CANDIDATES
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": gm, "CTAS_PER_SM": ctas},
+            num_stages=s,
+            num_warps=w,
+        )
+        for bm, bn, s, w, ctas, gm in FP8_CANDIDATES
     ]
     seen, labelled = set(), [("autotuned", None)]
     for config in configs:

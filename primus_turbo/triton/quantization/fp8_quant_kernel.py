@@ -122,6 +122,41 @@ def _quantize_groups_kernel(
 
 
 @triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _group_amax(mag, AXIS: tl.constexpr, N_GROUPS: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr):
+    """NaN-propagating amax of the GROUP-long groups along AXIS of a square tile: NaN or inf exactly
+    where a group holds such a value. Shape (TILE,) for one group per tile, else (N_GROUPS, TILE) /
+    (TILE, N_GROUPS)."""
+    if N_GROUPS == 1:
+        amax = tl.reduce(mag, AXIS, _nan_max)
+    elif AXIS == 1:
+        amax = tl.reduce(tl.reshape(mag, (TILE, N_GROUPS, GROUP)), 2, _nan_max)
+    else:
+        amax = tl.reduce(tl.reshape(mag, (N_GROUPS, GROUP, TILE)), 1, _nan_max)
+    return amax
+
+
+@triton.jit
+def _scale_groups(
+    x, multiplier, AXIS: tl.constexpr, N_GROUPS: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr
+):
+    """x (TILE, TILE) times each group's multiplier, as laid out by ``_group_amax``."""
+    if N_GROUPS == 1 and AXIS == 1:
+        y = x * multiplier[:, None]
+    elif N_GROUPS == 1:
+        y = x * multiplier[None, :]
+    elif AXIS == 1:
+        y = tl.reshape(tl.reshape(x, (TILE, N_GROUPS, GROUP)) * multiplier[:, :, None], (TILE, TILE))
+    else:
+        y = tl.reshape(tl.reshape(x, (N_GROUPS, GROUP, TILE)) * multiplier[:, None, :], (TILE, TILE))
+    return y
+
+
+@triton.jit
 def _quantize_dual_blocks_kernel(
     x_ptr,
     q_ptr,
@@ -145,36 +180,49 @@ def _quantize_dual_blocks_kernel(
 ):
     """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
     ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
-    (K, M / GROUP). ``q`` and ``qt`` are contiguous; the scales take any strides."""
-    rows = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)
-    cols = (tl.program_id(1) * TILE + tl.arange(0, TILE)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    (K, M / GROUP). ``q`` and ``qt`` are contiguous; the scales take any strides. Addresses are 32-bit
+    offsets from the tile's corner, and the non-finite test rides on NaN-propagating maxima: both keep
+    the kernel within 128 registers, two programs per SM."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    r = tl.arange(0, TILE)
+    rows = pid_m.to(tl.int64) * TILE + r
+    cols = pid_k.to(tl.int64) * TILE + r
+    rows_ok = rows < M
+    cols_ok = cols < K
+    mask = rows_ok[:, None] & cols_ok[None, :]
+    x_tile = x_ptr + pid_m.to(tl.int64) * TILE * stride_xm + pid_k.to(tl.int64) * TILE * stride_xk
+    x = tl.load(x_tile + r[:, None] * stride_xm + r[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
     mag = tl.abs(x)
-    nonfinite = (mag != mag) | (mag == float("inf"))
-    mag = tl.where(nonfinite, 0.0, mag)
-    # groups along K: (TILE, N_GROUPS, GROUP)
-    amax = tl.max(tl.reshape(mag, (TILE, N_GROUPS, GROUP)), axis=2)
-    bad = tl.sum(tl.reshape(nonfinite.to(tl.int32), (TILE, N_GROUPS, GROUP)), axis=2)
+    amax = _group_amax(mag, 1, N_GROUPS, GROUP, TILE)
+    amax_t = _group_amax(mag, 0, N_GROUPS, GROUP, TILE)
+    # groups along K
+    bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
-    scaled = tl.reshape(tl.reshape(x, (TILE, N_GROUPS, GROUP)) * multiplier[:, :, None], (TILE, TILE))
-    q = _saturate(scaled, FP8_MAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-    k_groups = (tl.program_id(1) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
-    s_mask = (rows < M)[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
-    tl.store(s_ptr + rows[:, None] * stride_sm + k_groups[None, :] * stride_sk, stored, mask=s_mask)
-    # groups along M: (N_GROUPS, GROUP, TILE), written transposed
-    amax_t = tl.max(tl.reshape(mag, (N_GROUPS, GROUP, TILE)), axis=1)
-    bad_t = tl.sum(tl.reshape(nonfinite.to(tl.int32), (N_GROUPS, GROUP, TILE)), axis=1)
+    q = _saturate(_scale_groups(x, multiplier, 1, N_GROUPS, GROUP, TILE), FP8_MAX)
+    q_tile = q_ptr + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
+    tl.store(q_tile + r[:, None] * K + r[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if N_GROUPS == 1:
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, stored, mask=rows_ok)
+    else:
+        k_groups = pid_k.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
+        s_mask = rows_ok[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
+        s_ptrs = s_ptr + rows[:, None] * stride_sm + k_groups[None, :] * stride_sk
+        tl.store(s_ptrs, stored, mask=s_mask)
+    # groups along M, written transposed
+    bad_t = ((amax_t != amax_t) | (amax_t == float("inf"))).to(tl.int32)
     multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
-    scaled_t = tl.reshape(tl.reshape(x, (N_GROUPS, GROUP, TILE)) * multiplier_t[:, None, :], (TILE, TILE))
-    q_t = tl.trans(_saturate(scaled_t, FP8_MAX).to(qt_ptr.dtype.element_ty))
-    tl.store(qt_ptr + cols[:, None] * M + rows[None, :], q_t, mask=tl.trans(mask))
-    m_groups = (tl.program_id(0) * N_GROUPS + tl.arange(0, N_GROUPS)).to(tl.int64)
-    st_mask = (cols < K)[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
-    st_ptrs = st_ptr + cols[:, None] * stride_stk + m_groups[None, :] * stride_stm
-    tl.store(st_ptrs, tl.trans(stored_t), mask=st_mask)
+    q_t = tl.trans(_saturate(_scale_groups(x, multiplier_t, 0, N_GROUPS, GROUP, TILE), FP8_MAX))
+    qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
+    tl.store(qt_tile + r[:, None] * M + r[None, :], q_t.to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
+    if N_GROUPS == 1:
+        tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, stored_t, mask=cols_ok)
+    else:
+        m_groups = pid_m.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
+        st_mask = cols_ok[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
+        st_ptrs = st_ptr + cols[:, None] * stride_stk + m_groups[None, :] * stride_stm
+        tl.store(st_ptrs, tl.trans(stored_t), mask=st_mask)
 
 
 @triton.jit
