@@ -180,20 +180,25 @@ WITH_TRANS = [
     (G.BLOCKWISE, {"block_size": 32}),
     (G.BLOCKWISE, {"block_size": 128}),
     (G.BLOCKWISE, {"block_size": 32, "scaling_recipe": ScalingRecipe(use_2d_block=True)}),
+    (G.BLOCKWISE, {"block_size": 128, "scaling_recipe": ScalingRecipe(use_2d_block=True)}),
     (G.MX_BLOCKWISE, {}),
 ]
+WITH_TRANS_IDS = ["tensorwise", "rowwise", "blockwise32", "blockwise128", "block2d", "block2d128", "mx"]
 
 
 @pytest.mark.parametrize(
     "granularity,kwargs",
     WITH_TRANS,
-    ids=["tensorwise", "rowwise", "blockwise32", "blockwise128", "block2d", "mx"],
+    ids=WITH_TRANS_IDS,
 )
 @pytest.mark.parametrize("shape", [(96, 64), (200, 288)], ids=str)
-def test_with_trans_equals_two_single_quantizations(granularity, kwargs, shape):
+@pytest.mark.parametrize("poisoned", [False, True], ids=["finite", "nonfinite"])
+def test_with_trans_equals_two_single_quantizations(granularity, kwargs, shape, poisoned):
     if granularity is G.MX_BLOCKWISE and shape[0] % 32:
         pytest.skip("MX needs M to be a multiple of 32")
     x = _input(shape)
+    if poisoned:
+        x[5, 7], x[-1, -1] = float("nan"), float("inf")
     q, s, q_t, s_t = quantize_fp8_with_trans(x, E4M3, granularity, **kwargs)
     assert q_t.shape == shape[::-1] and q_t.is_contiguous()
     if granularity is G.TENSORWISE or "scaling_recipe" in kwargs:
@@ -260,7 +265,7 @@ def test_fake_scale_strides_match_real(shape, granularity, kwargs):
 @pytest.mark.parametrize(
     "granularity,kwargs",
     WITH_TRANS,
-    ids=["tensorwise", "rowwise", "blockwise32", "blockwise128", "block2d", "mx"],
+    ids=WITH_TRANS_IDS,
 )
 def test_opcheck_with_trans(granularity, kwargs):
     x = _input((64, 96))
