@@ -177,15 +177,12 @@ def _quantize_dual_blocks_kernel(
     GROUP: tl.constexpr,
     N_GROUPS: tl.constexpr,
     TILE: tl.constexpr,
-    BLOCK_2D: tl.constexpr,
 ):
     """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
     ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
-    (K, M / GROUP). With BLOCK_2D the tile is one group (a weight's 128 x 128 block): ``qt`` is then
-    ``q`` transposed, and ``s`` (M / TILE, K / TILE) and ``st`` (K / TILE, M / TILE) hold its one scale.
-    ``q`` and ``qt`` are contiguous; the scales take any strides. Addresses are 32-bit offsets from the
-    tile's corner, and the non-finite test rides on NaN-propagating maxima: both keep the kernel within
-    128 registers, two programs per SM."""
+    (K, M / GROUP). ``q`` and ``qt`` are contiguous; the scales take any strides. Addresses are 32-bit
+    offsets from the tile's corner, and the non-finite test rides on NaN-propagating maxima: both keep
+    the kernel within 128 registers, two programs per SM."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     r = tl.arange(0, TILE)
@@ -198,24 +195,13 @@ def _quantize_dual_blocks_kernel(
     x = tl.load(x_tile + r[:, None] * stride_xm + r[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
     mag = tl.abs(x)
-    q_tile = q_ptr + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
-    qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
-    if BLOCK_2D:
-        amax = tl.reduce(tl.reduce(mag, 1, _nan_max), 0, _nan_max)
-        bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
-        multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
-        q = _saturate(x * multiplier, FP8_MAX).to(q_ptr.dtype.element_ty)
-        tl.store(q_tile + r[:, None] * K + r[None, :], q, mask=mask)
-        tl.store(qt_tile + r[:, None] * M + r[None, :], tl.trans(q), mask=tl.trans(mask))
-        tl.store(s_ptr + pid_m * stride_sm + pid_k * stride_sk, stored)
-        tl.store(st_ptr + pid_k * stride_stk + pid_m * stride_stm, stored)
-        return
     amax = _group_amax(mag, 1, N_GROUPS, GROUP, TILE)
     amax_t = _group_amax(mag, 0, N_GROUPS, GROUP, TILE)
     # groups along K
     bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
     q = _saturate(_scale_groups(x, multiplier, 1, N_GROUPS, GROUP, TILE), FP8_MAX)
+    q_tile = q_ptr + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
     tl.store(q_tile + r[:, None] * K + r[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     if N_GROUPS == 1:
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, stored, mask=rows_ok)
@@ -228,6 +214,7 @@ def _quantize_dual_blocks_kernel(
     bad_t = ((amax_t != amax_t) | (amax_t == float("inf"))).to(tl.int32)
     multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
     q_t = tl.trans(_saturate(_scale_groups(x, multiplier_t, 0, N_GROUPS, GROUP, TILE), FP8_MAX))
+    qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
     tl.store(qt_tile + r[:, None] * M + r[None, :], q_t.to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
     if N_GROUPS == 1:
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, stored_t, mask=cols_ok)
@@ -306,17 +293,15 @@ def quantize_fp8_dual_blocks_triton(
     scale_t: torch.Tensor,
     group: int,
     mx_emax: int | None = None,
-    block_2d: bool = False,
 ) -> None:
     """Both 1-D block quantizations of a 2-D ``x`` (M, K) in one read: ``q`` (M, K) with ``scale``
     (M, K / group) along K, and ``q_t`` (K, M) with ``scale_t`` (K, M / group) along M. ``q`` and
     ``q_t`` are contiguous, the scales any strides; scales are fp32, or uint8 E8M0 codes when
-    ``mx_emax`` is given. ``block_2d``: one scale per group x group block instead, ``scale``
-    (M / group, K / group) and ``scale_t`` its transpose (a weight and its transposed copy)."""
+    ``mx_emax`` is given."""
     m, k = x.shape
     if m == 0 or k == 0:
         return
-    tile = group if block_2d else max(group, 64)
+    tile = max(group, 64)
     _quantize_dual_blocks_kernel[(triton.cdiv(m, tile), triton.cdiv(k, tile))](
         x,
         q,
@@ -334,7 +319,6 @@ def quantize_fp8_dual_blocks_triton(
         GROUP=group,
         N_GROUPS=tile // group,
         TILE=tile,
-        BLOCK_2D=block_2d,
         num_warps=8 if tile >= 128 else 4,
     )
 

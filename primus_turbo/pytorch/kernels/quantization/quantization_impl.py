@@ -261,20 +261,7 @@ def _with_trans_blocks_triton(x: torch.Tensor, out_dtype: torch.dtype, block: in
     return q, scale, q_t, scale_t
 
 
-def _with_trans_2d_blocks_triton(x: torch.Tensor, out_dtype: torch.dtype, block: int):
-    """A weight's 2-D block quantization and its transposed copy from one read of ``x``."""
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
-    q_t = torch.empty((k, m), dtype=out_dtype, device=x.device)
-    scale = torch.empty((-(-m // block), -(-k // block)), dtype=torch.float32, device=x.device)
-    scale_t = torch.empty((scale.shape[1], scale.shape[0]), dtype=torch.float32, device=x.device)
-    quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, block_2d=True)
-    return q, scale, q_t, scale_t
-
-
 def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
-    if triton_path and granularity == _BLOCKWISE and block_2d and x.dim() == 2 and x.numel():
-        return _with_trans_2d_blocks_triton(x, out_dtype, block_size)
     if granularity == _TENSORWISE or (granularity == _BLOCKWISE and block_2d):
         q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
         # copies, never views: a custom op's outputs must not alias each other
