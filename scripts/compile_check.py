@@ -81,8 +81,9 @@ def _compile_requests(label: str) -> bool:
     while _requests:
         fn, signature, constexprs, options, attrs = _requests.pop(0)
         try:
+            source = getattr(fn, "ASTSource", ASTSource)  # Gluon kernels bring their own
             kernel = triton.compile(
-                ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__
+                source(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__
             )
             print(f"[OK]   {label}: shared memory {kernel.metadata.shared} B{_resources(kernel)}", flush=True)
         except Exception as exc:  # report every failure, keep going
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     device_info.interpreter_active = lambda: False
     from primus_turbo.triton.activation import gated_act_kernel as act
     from primus_turbo.triton.attention import flash_attn_kernel as attn
+    from primus_turbo.triton.gemm import gemm_fp8_block_sm90 as sm90
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
@@ -357,6 +359,18 @@ def main(argv: list[str] | None = None) -> int:
             128,
         ),
     )
+    e5m2_a = torch.empty(m, k, dtype=e5m2)
+    for a_sm90, out_dtype in ((torch.empty(m, k, dtype=e4m3), bf16), (e5m2_a, f32)):
+        attempt(
+            f"gemm fp8 block sm90 (Gluon) {a_sm90.dtype} -> {out_dtype}",
+            lambda a_sm90=a_sm90, out_dtype=out_dtype: sm90.gemm_fp8_block_sm90(
+                a_sm90,
+                torch.empty(k // 128, m).t(),
+                torch.empty(n, k, dtype=e4m3),
+                torch.empty(n // 128, k // 128),
+                torch.empty(m, n, dtype=out_dtype),
+            ),
+        )
     attempt(
         "quantize fp8 tensorwise cast",
         lambda: fp8q.tensorwise_cast_fp8_triton(

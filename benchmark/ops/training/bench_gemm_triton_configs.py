@@ -29,6 +29,9 @@ from benchmark.ops.training.config import SHAPE_SETS, gemm_shape_set
 LOG = logging.getLogger("bench_gemm_triton_configs")
 
 # FP8 tiles worth timing beyond the autotune list: (BLOCK_M, BLOCK_N, stages, warps), BLOCK_K 128
+# the Hopper Gluon kernel for block scaling: stages, K-blocks per loop iteration, GROUP_M
+SM90_CANDIDATES = [(3, 4, 8), (4, 4, 8), (5, 4, 8), (6, 4, 8), (4, 2, 8), (4, 6, 8), (4, 8, 8), (5, 8, 8)]
+SM90_CANDIDATES += [(4, 4, 16), (5, 4, 16), (4, 4, 4)]
 # BLOCK_M, BLOCK_N, stages, warps, programs per SM, GROUP_M
 FP8_CANDIDATES = [
     (64, 128, 3, 4, 2, 4),
@@ -63,8 +66,9 @@ def parse_mnk(text: str) -> list[tuple[str, int, int, int]]:
     return shapes
 
 
-def fp8_candidates(granularity: str) -> list[tuple[str, triton.Config | None]]:
-    """("autotuned", None), then the FP8 kernel's configs and ``FP8_CANDIDATES``, labelled."""
+def fp8_candidates(granularity: str) -> list[tuple[str, object]]:
+    """("autotuned", None), then the FP8 kernel's configs and ``FP8_CANDIDATES``, labelled; for block
+    scaling also the Hopper Gluon kernel's ``SM90_CANDIDATES``."""
     from primus_turbo.triton.gemm.gemm_fp8_kernel import kernel_configs
 
     configs = kernel_configs() + [
@@ -81,6 +85,13 @@ def fp8_candidates(granularity: str) -> list[tuple[str, triton.Config | None]]:
         if label not in seen:
             seen.add(label)
             labelled.append((label, config))
+    if granularity == "blockwise":
+        from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import BlockSm90Config
+
+        labelled += [
+            (f"gluon sm90 s{s} u{u} g{g}", BlockSm90Config(num_stages=s, k_unroll=u, group_m=g))
+            for s, u, g in SM90_CANDIDATES
+        ]
     return labelled
 
 
@@ -88,6 +99,7 @@ def fp8_runs(m: int, n: int, k: int, granularity: str, device: str = "cuda"):
     """(reference, peer call, run(config) -> out) for an FP8 NT GEMM quantized like ``gemm_fp8``."""
     from benchmark.ops.training.bench_gemm_fp8 import quant_config, quantize_operands, scaled_mm_peer
     from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import _triton_mode
+    from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import BlockSm90Config, gemm_fp8_block_sm90
     from primus_turbo.triton.gemm.gemm_fp8_kernel import gemm_fp8_triton
 
     config = quant_config(granularity)
@@ -102,6 +114,10 @@ def fp8_runs(m: int, n: int, k: int, granularity: str, device: str = "cuda"):
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
 
     def run(kernel_config):
+        if isinstance(kernel_config, BlockSm90Config):
+            if not gemm_fp8_block_sm90(qa, sa.float(), qw, sw.float(), out, kernel_config):
+                raise RuntimeError("the Gluon kernel does not compile here")
+            return out
         return gemm_fp8_triton(
             qa, sa.float(), a_mode, qw, sw.float(), b_mode, out, block, config=kernel_config
         )

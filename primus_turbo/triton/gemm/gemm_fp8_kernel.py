@@ -21,6 +21,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
+
+try:  # Gluon (Triton >= 3.5): the Hopper kernel for 1 x 128 / 128 x 128 block scaling
+    from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import gemm_fp8_block_sm90, sm90_block_kernel_usable
+except ImportError:
+    gemm_fp8_block_sm90 = sm90_block_kernel_usable = None
 from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
@@ -276,7 +281,8 @@ def gemm_fp8_triton(
     0), (rows, 1) (mode 1), (rows, K / scale_block) (mode 2) or (rows / scale_block, K / scale_block)
     (mode 3), any strides. ``use_tma=None`` reads through TMA descriptors wherever the GPU and the
     operands' alignment allow it. ``config`` bypasses the autotuner with one config (``kernel_configs()``
-    or any other with BLOCK_M/N/K and GROUP_M), for tests and tuning sweeps.
+    or any other with BLOCK_M/N/K and GROUP_M), for tests and tuning sweeps. Without ``config``, a
+    1 x 128 / 128 x 128 block-scaled product on Hopper runs the Gluon kernel of ``gemm_fp8_block_sm90``.
     """
     m, n = out.shape
     k = a.shape[1]
@@ -284,6 +290,15 @@ def gemm_fp8_triton(
         return out
     if k == 0:
         return out if accumulate else out.zero_()
+    if (
+        config is None
+        and not accumulate
+        and (a_mode, b_mode, scale_block) == (SCALE_BLOCKS, SCALE_BLOCK_2D, 128)
+        and sm90_block_kernel_usable is not None
+        and sm90_block_kernel_usable(a, a_scale, b, b_scale, out)
+        and gemm_fp8_block_sm90(a, a_scale, b, b_scale, out)
+    ):
+        return out
     sms = num_sms(out.device)
     if use_tma is None:
         use_tma = supports_tma(out.device) and all(
