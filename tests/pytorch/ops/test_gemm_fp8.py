@@ -300,11 +300,14 @@ def test_triton_reuses_its_chosen_config(granularity):
 
     GlobalBackendManager.set_gemm_backend(BackendType.TRITON, PrecisionType.FP8)
     a, b, _ = _operands(64, 96, 128, False, True)
+    # on Hopper the block-scaled forward runs the Gluon kernel, which has no autotuned config
+    hopper = ON_GPU and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+    configs = 0 if hopper and granularity is G.BLOCKWISE else 1
     gemm_fp8_kernel._chosen.clear()
     first = gemm_fp8(a.detach(), b.detach(), trans_b=True, config=_config(granularity))
-    assert len(gemm_fp8_kernel._chosen) == 1
+    assert len(gemm_fp8_kernel._chosen) == configs
     again = gemm_fp8(a.detach(), b.detach(), trans_b=True, config=_config(granularity))
-    assert len(gemm_fp8_kernel._chosen) == 1 and torch.equal(first, again)
+    assert len(gemm_fp8_kernel._chosen) == configs and torch.equal(first, again)
 
 
 def test_prequantized_operands_must_match_the_gemm():
