@@ -16,9 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from primus_turbo.triton.utils.device_info import num_sms, supports_tma
 
 __all__ = [
     "e8m0_scale",
@@ -161,10 +158,10 @@ def _scale_groups(
 
 @triton.jit
 def _quantize_dual_blocks_kernel(
-    x_desc,
-    q_desc,
+    x_ptr,
+    q_ptr,
     s_ptr,
-    qt_desc,
+    qt_ptr,
     st_ptr,
     M,
     K,
@@ -180,67 +177,52 @@ def _quantize_dual_blocks_kernel(
     GROUP: tl.constexpr,
     N_GROUPS: tl.constexpr,
     TILE: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
-    """TILE x TILE tiles of x (M, K), each read once: 1 x GROUP groups along K go to ``q`` (M, K) and
+    """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
     ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
-    (K, M / GROUP). ``q`` and ``qt`` are contiguous; the scales take any strides. Persistent: with
-    USE_TMA the tiles move through TMA descriptors and the loop pipelines the next tile's load behind
-    this one's arithmetic; otherwise through 32-bit offsets from each tile's corner. The non-finite test
-    rides on NaN-propagating maxima, which keeps the kernel within 128 registers (two programs per SM)."""
-    num_k = tl.cdiv(K, TILE)
+    (K, M / GROUP). ``q`` and ``qt`` are contiguous; the scales take any strides. Addresses are 32-bit
+    offsets from the tile's corner, and the non-finite test rides on NaN-propagating maxima: both keep
+    the kernel within 128 registers, two programs per SM."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
     r = tl.arange(0, TILE)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(M, TILE) * num_k, tl.num_programs(0), num_stages=2 if USE_TMA else 1):
-        pid_m = tile // num_k
-        pid_k = tile % num_k
-        rows = pid_m.to(tl.int64) * TILE + r
-        cols = pid_k.to(tl.int64) * TILE + r
-        rows_ok = rows < M
-        cols_ok = cols < K
-        mask = rows_ok[:, None] & cols_ok[None, :]
-        if USE_TMA:
-            x = x_desc.load([pid_m * TILE, pid_k * TILE])
-        else:
-            x_tile = x_desc + pid_m.to(tl.int64) * TILE * stride_xm + pid_k.to(tl.int64) * TILE * stride_xk
-            x = tl.load(x_tile + r[:, None] * stride_xm + r[None, :] * stride_xk, mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        mag = tl.abs(x)
-        amax = _group_amax(mag, 1, N_GROUPS, GROUP, TILE)
-        amax_t = _group_amax(mag, 0, N_GROUPS, GROUP, TILE)
-        # groups along K
-        bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
-        multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
-        q = _saturate(_scale_groups(x, multiplier, 1, N_GROUPS, GROUP, TILE), FP8_MAX)
-        if USE_TMA:
-            q_desc.store([pid_m * TILE, pid_k * TILE], q.to(q_desc.dtype))
-        else:
-            q_tile = q_desc + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
-            tl.store(q_tile + r[:, None] * K + r[None, :], q.to(q_desc.dtype.element_ty), mask=mask)
-        if N_GROUPS == 1:
-            tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, stored, mask=rows_ok)
-        else:
-            k_groups = pid_k.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
-            s_mask = rows_ok[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
-            s_ptrs = s_ptr + rows[:, None] * stride_sm + k_groups[None, :] * stride_sk
-            tl.store(s_ptrs, stored, mask=s_mask)
-        # groups along M, written transposed
-        bad_t = ((amax_t != amax_t) | (amax_t == float("inf"))).to(tl.int32)
-        multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
-        q_t = tl.trans(_saturate(_scale_groups(x, multiplier_t, 0, N_GROUPS, GROUP, TILE), FP8_MAX))
-        if USE_TMA:
-            qt_desc.store([pid_k * TILE, pid_m * TILE], q_t.to(qt_desc.dtype))
-        else:
-            qt_tile = qt_desc + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
-            tl.store(
-                qt_tile + r[:, None] * M + r[None, :], q_t.to(qt_desc.dtype.element_ty), mask=tl.trans(mask)
-            )
-        if N_GROUPS == 1:
-            tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, stored_t, mask=cols_ok)
-        else:
-            m_groups = pid_m.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
-            st_mask = cols_ok[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
-            st_ptrs = st_ptr + cols[:, None] * stride_stk + m_groups[None, :] * stride_stm
-            tl.store(st_ptrs, tl.trans(stored_t), mask=st_mask)
+    rows = pid_m.to(tl.int64) * TILE + r
+    cols = pid_k.to(tl.int64) * TILE + r
+    rows_ok = rows < M
+    cols_ok = cols < K
+    mask = rows_ok[:, None] & cols_ok[None, :]
+    x_tile = x_ptr + pid_m.to(tl.int64) * TILE * stride_xm + pid_k.to(tl.int64) * TILE * stride_xk
+    x = tl.load(x_tile + r[:, None] * stride_xm + r[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mag = tl.abs(x)
+    amax = _group_amax(mag, 1, N_GROUPS, GROUP, TILE)
+    amax_t = _group_amax(mag, 0, N_GROUPS, GROUP, TILE)
+    # groups along K
+    bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
+    multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
+    q = _saturate(_scale_groups(x, multiplier, 1, N_GROUPS, GROUP, TILE), FP8_MAX)
+    q_tile = q_ptr + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
+    tl.store(q_tile + r[:, None] * K + r[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if N_GROUPS == 1:
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, stored, mask=rows_ok)
+    else:
+        k_groups = pid_k.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
+        s_mask = rows_ok[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
+        s_ptrs = s_ptr + rows[:, None] * stride_sm + k_groups[None, :] * stride_sk
+        tl.store(s_ptrs, stored, mask=s_mask)
+    # groups along M, written transposed
+    bad_t = ((amax_t != amax_t) | (amax_t == float("inf"))).to(tl.int32)
+    multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
+    q_t = tl.trans(_saturate(_scale_groups(x, multiplier_t, 0, N_GROUPS, GROUP, TILE), FP8_MAX))
+    qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
+    tl.store(qt_tile + r[:, None] * M + r[None, :], q_t.to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
+    if N_GROUPS == 1:
+        tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, stored_t, mask=cols_ok)
+    else:
+        m_groups = pid_m.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
+        st_mask = cols_ok[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
+        st_ptrs = st_ptr + cols[:, None] * stride_stk + m_groups[None, :] * stride_stm
+        tl.store(st_ptrs, tl.trans(stored_t), mask=st_mask)
 
 
 @triton.jit
@@ -320,21 +302,11 @@ def quantize_fp8_dual_blocks_triton(
     if m == 0 or k == 0:
         return
     tile = max(group, 64)
-    use_tma = supports_tma(x.device) and all(
-        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (x, q, q_t)
-    )
-    tensors = (x, q, q_t)
-    if use_tma:
-        tensors = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [tile, tile]) for t in tensors)
-    # two programs per SM walk the tiles where TMA pipelines them; one program per tile otherwise
-    tiles = triton.cdiv(m, tile) * triton.cdiv(k, tile)
-    programs = min(tiles, 2 * num_sms(x.device)) if use_tma else tiles
-    _quantize_dual_blocks_kernel[(programs,)](
-        tensors[0],
-        tensors[1],
+    _quantize_dual_blocks_kernel[(triton.cdiv(m, tile), triton.cdiv(k, tile))](
+        x,
+        q,
         scale,
-        tensors[2],
+        q_t,
         scale_t,
         m,
         k,
@@ -347,7 +319,6 @@ def quantize_fp8_dual_blocks_triton(
         GROUP=group,
         N_GROUPS=tile // group,
         TILE=tile,
-        USE_TMA=use_tma,
         num_warps=8 if tile >= 128 else 4,
     )
 
