@@ -1,7 +1,6 @@
-"""Block-scaled FP8 GEMM for Hopper in Gluon: 1 x 128 scales on A, 128 x 128 blocks or 1 x 128 scales on B.
+"""Block-scaled FP8 GEMM for Hopper in Gluon: 1 x 128 scales on A, 128 x 128 blocks on B (DeepSeek-V3).
 
-``C (M, N) = sum_kb (A[:, kb] @ B[:, kb]^T) * sa[:, kb] * sb[n // 128, kb]`` (the DeepSeek-V3 forward and
-dgrad; ``sb[n, kb]`` for the wgrad, whose operands both have 1 x 128 scales) with A (M, K) and B (N, K)
+``C (M, N) = sum_kb (A[:, kb] @ B[:, kb]^T) * sa[:, kb] * sb[n // 128, kb]`` with A (M, K) and B (N, K)
 K-contiguous FP8 and K a multiple of 128. Each K-block's product must be scaled before it is added, so
 the plain-Triton kernel waits for every wgmma and leaves the tensor cores idle while it scales. This
 kernel keeps one wgmma in flight while it scales the previous one:
@@ -11,8 +10,7 @@ kernel keeps one wgmma in flight while it scales the previous one:
 - each K-block's wgmma writes a fresh fp32 product tile (two alternate, ``p0`` / ``p1``); after issuing
   block k the consumers retire block k-1 (``warpgroup_mma_wait(1)``), release its stage and add it to
   the accumulator with one multiply-add per element (a 128-wide tile lies in one weight block, so the
-  scale is ``sa[rows] * sb``; with 1 x 128 scales on B a multiply more, ``sb[cols]`` loaded while the
-  next wgmma runs);
+  scale is ``sa[rows] * sb``);
 - ptxas serializes every wgmma of a kernel when one stays in flight across a loop back-edge while other
   accumulator registers are read, so the K loop runs K_UNROLL blocks of straight-line code and drains
   at its end; the drained product is scaled after the next iteration's first wgmma is issued. The two
@@ -91,28 +89,18 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _scales(sa_rows, m_mask, sb_ptrs, kb, stride_sak, stride_sbk, B_VEC: gl.constexpr):
-    """This K-block's scale per tile row: sa[rows, kb], times sb[tile's weight block, kb] for 2-D blocks
-    (B_VEC: b's own per-column scales are applied in ``_retire``)."""
-    scale = gl.load(sa_rows + kb * stride_sak, mask=m_mask, other=0.0)
-    if not B_VEC:
-        scale = scale * gl.load(sb_ptrs + kb * stride_sbk)
-    return scale
+def _scales(sa_rows, m_mask, sb_row, kb, stride_sak, stride_sbk):
+    """This K-block's scale per tile row: sa[rows, kb] * sb[tile's weight block, kb]."""
+    sa = gl.load(sa_rows + kb * stride_sak, mask=m_mask, other=0.0)
+    return sa * gl.load(sb_row + kb * stride_sbk)
 
 
 @gluon.jit
-def _retire(acc, p, scale, sb_ptrs, kb, stride_sbk, B_VEC: gl.constexpr):
-    """acc += p * scale[:, None] (with B_VEC also times b's scales sb[cols, kb][None, :], read here from
-    the tile's first column ``sb_ptrs`` while the next wgmma runs rather than held in registers). The
-    result passes through a wgmma wait (one group may stay in flight, as the caller has) only as an
-    ordering fence: without it LLVM sinks the multiply-adds below the next wgmma that reuses p's
-    registers, and the register copies that follow serialize every wgmma."""
-    if B_VEC:
-        cols = gl.arange(0, p.shape[1], layout=gl.SliceLayout(0, p.type.layout))
-        sb = gl.load(sb_ptrs + kb * stride_sbk + cols)
-        acc = acc + p * (gl.expand_dims(scale, 1) * gl.expand_dims(sb, 0))
-    else:
-        acc = acc + p * gl.expand_dims(scale, 1)
+def _retire(acc, p, scale):
+    """acc += p * scale[:, None]. The result passes through a wgmma wait (one group may stay in flight,
+    as the caller has) only as an ordering fence: without it LLVM sinks the multiply-adds below the next
+    wgmma that reuses p's registers, and the register copies that follow serialize every wgmma."""
+    acc = acc + p * gl.expand_dims(scale, 1)
     return warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
 
 
@@ -131,13 +119,12 @@ def _unit(
     empty,
     sa_rows,
     m_mask,
-    sb_ptrs,
+    sb_row,
     stride_sak,
     stride_sbk,
     X: gl.constexpr,
     RETIRE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
-    B_VEC: gl.constexpr,
 ):
     """Issue K-block kb's wgmma into product tile X (0: p0, 1: p1), then retire the previous block's
     product (the other tile): RETIRE 0 none (a tile's first block), 1 already drained, 2 wait for it
@@ -145,7 +132,7 @@ def _unit(
     slot = cons % NUM_STAGES
     mbarrier.wait(ready.index(slot), (cons // NUM_STAGES) & 1)
     scale_last = scale
-    scale = _scales(sa_rows, m_mask, sb_ptrs, kb, stride_sak, stride_sbk, B_VEC)
+    scale = _scales(sa_rows, m_mask, sb_row, kb, stride_sak, stride_sbk)
     b = b_bufs.index(slot).permute((1, 0))
     if X == 0:
         p0 = warpgroup_mma(a_bufs.index(slot), b, p0, use_acc=False, is_async=True)
@@ -161,9 +148,9 @@ def _unit(
     mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=cons > 0)
     if RETIRE != 0:
         if X == 0:
-            acc = _retire(acc, p1, scale_last, sb_ptrs, kb - 1, stride_sbk, B_VEC)
+            acc = _retire(acc, p1, scale_last)
         else:
-            acc = _retire(acc, p0, scale_last, sb_ptrs, kb - 1, stride_sbk, B_VEC)
+            acc = _retire(acc, p0, scale_last)
     return acc, p0, p1, scale, scale_last, cons + 1
 
 
@@ -180,17 +167,16 @@ def _tile_mainloop(
     empty,
     sa_rows,
     m_mask,
-    sb_ptrs,
+    sb_row,
     stride_sak,
     stride_sbk,
     K_UNROLL: gl.constexpr,
     PRO: gl.constexpr,
     NUM_STAGES: gl.constexpr,
-    B_VEC: gl.constexpr,
 ):
     """Every K-block of one tile: PRO = 1 + (k_tiles - 1) % K_UNROLL blocks first (their last product
     lands in p1), then K_UNROLL blocks per iteration, alternating p0 / p1 and draining at the end."""
-    scale = _scales(sa_rows, m_mask, sb_ptrs, 0, stride_sak, stride_sbk, B_VEC)
+    scale = _scales(sa_rows, m_mask, sb_row, 0, stride_sak, stride_sbk)
     scale_last = scale
     for q in gl.static_range(PRO):
         acc, p0, p1, scale, scale_last, cons = _unit(
@@ -207,13 +193,12 @@ def _tile_mainloop(
             empty,
             sa_rows,
             m_mask,
-            sb_ptrs,
+            sb_row,
             stride_sak,
             stride_sbk,
             (PRO - q) % 2,
             0 if q == 0 else 2,
             NUM_STAGES,
-            B_VEC,
         )
     p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
     for it in range((k_tiles - PRO) // K_UNROLL):
@@ -233,17 +218,15 @@ def _tile_mainloop(
                 empty,
                 sa_rows,
                 m_mask,
-                sb_ptrs,
+                sb_row,
                 stride_sak,
                 stride_sbk,
                 q % 2,
                 1 if q == 0 else 2,
                 NUM_STAGES,
-                B_VEC,
             )
         p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-    acc = _retire(acc, p1, scale, sb_ptrs, k_tiles - 1, stride_sbk, B_VEC)
-    return acc, p0, p1, cons
+    return _retire(acc, p1, scale), p0, p1, cons
 
 
 @gluon.jit
@@ -269,7 +252,6 @@ def _consumer(
     NUM_STAGES: gl.constexpr,
     K_UNROLL: gl.constexpr,
     PRO: gl.constexpr,
-    B_VEC: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """The default partition: wgmma, scaling and the epilogue of this program's tiles."""
@@ -293,10 +275,7 @@ def _consumer(
     for t in range(my_tiles):
         pid_m, pid_n = _tile_coords(pid + t * num_progs, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-        if B_VEC:  # b's scales: unit stride along N, N a multiple of the tile (the launcher checks)
-            sb_ptrs = sb_ptr + pid_n * BLOCK_N
-        else:
-            sb_ptrs = sb_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_sbn
+        sb_row = sb_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_sbn
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         acc, p0, p1, cons = _tile_mainloop(
             acc,
@@ -310,13 +289,12 @@ def _consumer(
             empty,
             sa_ptr + offs_m * stride_sam,
             offs_m < M,
-            sb_ptrs,
+            sb_row,
             stride_sak,
             stride_sbk,
             K_UNROLL,
             PRO,
             NUM_STAGES,
-            B_VEC,
         )
         tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
         c_smem.store(acc.to(c_desc.dtype))
@@ -371,13 +349,12 @@ def _gemm_fp8_block_sm90_kernel(
     NUM_STAGES: gl.constexpr,
     K_UNROLL: gl.constexpr,
     PRO: gl.constexpr,
-    B_VEC: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]  # the scale block: one K-block per scale
-    gl.static_assert(B_VEC or BLOCK_K % BLOCK_N == 0, "a tile's columns lie in one weight block")
+    gl.static_assert(BLOCK_K % BLOCK_N == 0, "a tile's columns lie in one weight block")
     gl.static_assert(K_UNROLL % 2 == 0, "an iteration's products alternate p0 / p1 evenly")
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -413,7 +390,6 @@ def _gemm_fp8_block_sm90_kernel(
                     NUM_STAGES,
                     K_UNROLL,
                     PRO,
-                    B_VEC,
                     num_warps,
                 ),
             ),
@@ -432,17 +408,11 @@ _failed: set[tuple] = set()
 
 
 def sm90_block_kernel_usable(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    out: torch.Tensor,
-    b_block_2d: bool = True,
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out: torch.Tensor
 ) -> bool:
     """Whether this kernel takes the call: an sm_90 CUDA GPU, FP8 operands with unit stride along K and
-    16-byte aligned rows, K a multiple of 128, a TMA-storable output, 32-bit scale offsets, no earlier
-    compile failure for these dtypes, and for 1 x 128 scales on ``b`` N a multiple of 128 with those
-    scales K-block-major."""
+    16-byte aligned rows, K a multiple of 128, a TMA-storable output, 32-bit scale offsets, and no earlier
+    compile failure for these dtypes."""
     if (
         not out.is_cuda
         or torch.version.hip is not None
@@ -459,13 +429,10 @@ def sm90_block_kernel_usable(
         return False
     if (a.dtype, b.dtype, out.dtype) in _failed:
         return False
-    if not b_block_2d and (b.shape[0] % _TILE or b_scale.stride(0) != 1):
-        return False
     aligned = all(
         t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b, out)
     ) and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
-    offsets = max(a_scale.stride(0) * m, a_scale.stride(1) * (k // SCALE_BLOCK))
-    offsets += max(b_scale.stride(0) * b_scale.shape[0], b_scale.stride(1) * (k // SCALE_BLOCK))
+    offsets = max(a_scale.stride(0) * m, a_scale.stride(1) * (k // SCALE_BLOCK)) + b_scale.numel()
     return aligned and offsets < 2**31
 
 
@@ -476,12 +443,11 @@ def gemm_fp8_block_sm90(
     b_scale: torch.Tensor,
     out: torch.Tensor,
     config: BlockSm90Config | None = None,
-    b_block_2d: bool = True,
 ) -> bool:
     """Write ``(a * a_scale) @ (b * b_scale)^T`` into ``out`` (M, N); False (nothing written) where this
     Triton's Gluon cannot compile the kernel. ``a`` (M, K) has fp32 scales (M, K / 128), any strides
-    (K-block-major is the fast layout); ``b`` (N, K) has (ceil(N / 128), K / 128) with ``b_block_2d``,
-    else (N, K / 128). Check ``sm90_block_kernel_usable`` first."""
+    (K-block-major is the fast layout); ``b`` (N, K) has (ceil(N / 128), K / 128). Check
+    ``sm90_block_kernel_usable`` first."""
     config = config or BlockSm90Config()
     m, k = a.shape
     n = b.shape[0]
@@ -511,7 +477,6 @@ def gemm_fp8_block_sm90(
             NUM_STAGES=config.num_stages,
             K_UNROLL=config.k_unroll,
             PRO=1 + (k_tiles - 1) % config.k_unroll,
-            B_VEC=not b_block_2d,
             num_warps=8,
         )
     except triton.CompilationError as exc:

@@ -282,8 +282,7 @@ def gemm_fp8_triton(
     (mode 3), any strides. ``use_tma=None`` reads through TMA descriptors wherever the GPU and the
     operands' alignment allow it. ``config`` bypasses the autotuner with one config (``kernel_configs()``
     or any other with BLOCK_M/N/K and GROUP_M), for tests and tuning sweeps. Without ``config``, a
-    product with 1 x 128 scales on ``a`` and 128 x 128 or 1 x 128 on ``b`` runs on Hopper the Gluon kernel
-    of ``gemm_fp8_block_sm90``.
+    1 x 128 / 128 x 128 block-scaled product on Hopper runs the Gluon kernel of ``gemm_fp8_block_sm90``.
     """
     m, n = out.shape
     k = a.shape[1]
@@ -294,12 +293,10 @@ def gemm_fp8_triton(
     if (
         config is None
         and not accumulate
-        and a_mode == SCALE_BLOCKS
-        and b_mode in (SCALE_BLOCKS, SCALE_BLOCK_2D)
-        and scale_block == 128
+        and (a_mode, b_mode, scale_block) == (SCALE_BLOCKS, SCALE_BLOCK_2D, 128)
         and sm90_block_kernel_usable is not None
-        and sm90_block_kernel_usable(a, a_scale, b, b_scale, out, b_mode == SCALE_BLOCK_2D)
-        and gemm_fp8_block_sm90(a, a_scale, b, b_scale, out, b_block_2d=b_mode == SCALE_BLOCK_2D)
+        and sm90_block_kernel_usable(a, a_scale, b, b_scale, out)
+        and gemm_fp8_block_sm90(a, a_scale, b, b_scale, out)
     ):
         return out
     sms = num_sms(out.device)
