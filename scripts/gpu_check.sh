@@ -13,8 +13,9 @@
 #   TIMER=graph         time the GEMM benchmarks from CUDA-graph replays (device time only)
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
 #                       (FP8_SHAPES, default lowp)
-#   FP8_SWEEP=blockwise time every FP8 GEMM kernel config (tensorwise|rowwise|blockwise) on FP8_SWEEP_MNK
-#                       (default 8192x8192x8192) next to torch._scaled_mm
+#   FP8_SWEEP=blockwise time every FP8 GEMM kernel config (tensorwise|rowwise|blockwise; blockwise adds the
+#                       Hopper Gluon kernel's) on FP8_SWEEP_MNK (default 8192x8192x8192) next to
+#                       torch._scaled_mm
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   GROUPED=1           also run the grouped GEMM benchmark, bf16 and FP8 (GROUPED_SHAPES, default quick;
