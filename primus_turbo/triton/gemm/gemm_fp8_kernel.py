@@ -22,9 +22,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 
-try:  # Gluon (Triton >= 3.5): the Hopper kernel for 1 x 128 / 128 x 128 block scaling
+try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for 1 x 128 / 128 x 128 block scaling
     from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import gemm_fp8_block_sm90, sm90_block_kernel_usable
-except ImportError:
+except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon API this file predates
     gemm_fp8_block_sm90 = sm90_block_kernel_usable = None
 from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import (
