@@ -33,7 +33,8 @@ def _config(granularity: ScalingGranularity, fmt: Format = Format.E4M3) -> Float
 GRANULARITIES = list(G)
 BACKENDS = [BackendType.TORCH, BackendType.TRITON] + ([BackendType.HIPBLASLT] if ON_GPU else [])
 LAYOUTS = list(itertools.product([False, True], repeat=2))
-SHAPES = [(64, 96, 128), (96, 32, 64)] + ([(256, 128, 384), (256, 256, 384)] if ON_GPU else [])
+# (80, 48, 64): backward contracts over M and N, which are not whole blocks on the CPU (block 32)
+SHAPES = [(64, 96, 128), (96, 32, 64), (80, 48, 64)] + ([(256, 128, 384), (256, 256, 384)] if ON_GPU else [])
 # real-model shapes on the GPU, in the Linear layout (the one every layer uses)
 LARGE_SHAPES = [(4096, 4096, 4096), (2048, 576, 7168)] if ON_GPU else []
 # SNR gates (dB): the output of E4M3 and HYBRID at 25, E5M2 at 20; gradients follow the format that
