@@ -157,6 +157,45 @@ def _scale_groups(
 
 
 @triton.jit
+def _quantize_along(
+    x,
+    amax,
+    lines,
+    lines_ok,
+    tile_index,
+    length,
+    s_ptr,
+    stride_line,
+    stride_group,
+    AXIS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MX: tl.constexpr,
+    MX_EMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    N_GROUPS: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """One direction of the dual quantization: x (TILE, TILE) scaled by its groups along AXIS (amax from
+    ``_group_amax``) and saturated; the scale of each line's group goes to ``s_ptr + line * stride_line +
+    group * stride_group``. ``lines`` are the tile's rows (AXIS 1) or columns (AXIS 0), ``tile_index`` the
+    tile's position along the grouped dimension of ``length`` elements."""
+    bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
+    multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
+    q = _saturate(_scale_groups(x, multiplier, AXIS, N_GROUPS, GROUP, TILE), FP8_MAX)
+    if N_GROUPS == 1:
+        tl.store(s_ptr + lines * stride_line + tile_index * stride_group, stored, mask=lines_ok)
+    else:
+        groups = tile_index.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
+        if AXIS == 1:
+            per_line = stored
+        else:
+            per_line = tl.trans(stored)
+        s_mask = lines_ok[:, None] & (groups < tl.cdiv(length, GROUP))[None, :]
+        tl.store(s_ptr + lines[:, None] * stride_line + groups[None, :] * stride_group, per_line, mask=s_mask)
+    return q
+
+
+@triton.jit
 def _quantize_dual_blocks_kernel(
     x_ptr,
     q_ptr,
@@ -197,32 +236,48 @@ def _quantize_dual_blocks_kernel(
     mag = tl.abs(x)
     amax = _group_amax(mag, 1, N_GROUPS, GROUP, TILE)
     amax_t = _group_amax(mag, 0, N_GROUPS, GROUP, TILE)
-    # groups along K
-    bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
-    multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
-    q = _saturate(_scale_groups(x, multiplier, 1, N_GROUPS, GROUP, TILE), FP8_MAX)
+    q = _quantize_along(
+        x,
+        amax,
+        rows,
+        rows_ok,
+        pid_k,
+        K,
+        s_ptr,
+        stride_sm,
+        stride_sk,
+        1,
+        FP8_MAX,
+        MX,
+        MX_EMAX,
+        GROUP,
+        N_GROUPS,
+        TILE,
+    )
     q_tile = q_ptr + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
     tl.store(q_tile + r[:, None] * K + r[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    if N_GROUPS == 1:
-        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, stored, mask=rows_ok)
-    else:
-        k_groups = pid_k.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
-        s_mask = rows_ok[:, None] & (k_groups < tl.cdiv(K, GROUP))[None, :]
-        s_ptrs = s_ptr + rows[:, None] * stride_sm + k_groups[None, :] * stride_sk
-        tl.store(s_ptrs, stored, mask=s_mask)
-    # groups along M, written transposed
-    bad_t = ((amax_t != amax_t) | (amax_t == float("inf"))).to(tl.int32)
-    multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, MX, MX_EMAX)
-    q_t = tl.trans(_saturate(_scale_groups(x, multiplier_t, 0, N_GROUPS, GROUP, TILE), FP8_MAX))
+    q_t = _quantize_along(
+        x,
+        amax_t,
+        cols,
+        cols_ok,
+        pid_m,
+        M,
+        st_ptr,
+        stride_stk,
+        stride_stm,
+        0,
+        FP8_MAX,
+        MX,
+        MX_EMAX,
+        GROUP,
+        N_GROUPS,
+        TILE,
+    )
     qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
-    tl.store(qt_tile + r[:, None] * M + r[None, :], q_t.to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
-    if N_GROUPS == 1:
-        tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, stored_t, mask=cols_ok)
-    else:
-        m_groups = pid_m.to(tl.int64) * N_GROUPS + tl.arange(0, N_GROUPS)
-        st_mask = cols_ok[:, None] & (m_groups < tl.cdiv(M, GROUP))[None, :]
-        st_ptrs = st_ptr + cols[:, None] * stride_stk + m_groups[None, :] * stride_stm
-        tl.store(st_ptrs, tl.trans(stored_t), mask=st_mask)
+    tl.store(
+        qt_tile + r[:, None] * M + r[None, :], tl.trans(q_t).to(qt_ptr.dtype.element_ty), mask=tl.trans(mask)
+    )
 
 
 @triton.jit
