@@ -21,11 +21,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
-
-try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for 1 x 128 / 128 x 128 block scaling
-    from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import gemm_fp8_block_sm90, sm90_block_kernel_usable
-except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon API this file predates
-    gemm_fp8_block_sm90 = sm90_block_kernel_usable = None
 from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import (
     interpreter_active,
@@ -34,6 +29,11 @@ from primus_turbo.triton.utils.device_info import (
     num_sms,
     supports_tma,
 )
+
+try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for 1 x 128 / 128 x 128 block scaling
+    from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import gemm_fp8_block_sm90, sm90_block_kernel_usable
+except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon API this file predates
+    gemm_fp8_block_sm90 = sm90_block_kernel_usable = None
 
 __all__ = [
     "SCALE_BLOCK_2D",
@@ -133,18 +133,6 @@ def supported_scale_blocks() -> frozenset[int]:
 _keep_output = KeepAccumulatedOutput("c_ptr")
 
 
-def _with_ctas_per_sm(config: triton.Config) -> triton.Config:
-    """``config`` with CTAS_PER_SM (default 1), so that sweeps may pass bare tile shapes."""
-    if "CTAS_PER_SM" in config.kwargs:
-        return config
-    return triton.Config(
-        {**config.kwargs, "CTAS_PER_SM": 1},
-        num_stages=config.num_stages,
-        num_warps=config.num_warps,
-        pre_hook=config.pre_hook,
-    )
-
-
 @triton.jit
 def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """Scale vector over ``rows`` for K-block ``kb`` (modes 2 and 3) or for the tile (modes 0 and 1)."""
@@ -198,7 +186,7 @@ def _gemm_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    CTAS_PER_SM: tl.constexpr,
+    CTAS_PER_SM: tl.constexpr = 1,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -332,8 +320,6 @@ def gemm_fp8_triton(
     flags.update(SCALE_BLOCK=scale_block, ACCUMULATE=accumulate, DTYPES=f"{a.dtype}x{b.dtype}->{out.dtype}")
     flags.update(USE_TMA=use_tma, TMA_STORE=tma_store, NUM_SMS=sms)
     key = (m, n, k, a_mode, b_mode, scale_block, accumulate, flags["DTYPES"], use_tma, tma_store, out.device)
-    if config is not None:
-        config = _with_ctas_per_sm(config)
     chosen = _chosen.get(key) if config is None else (config, {**flags, **config.all_kwargs()})
     if chosen is None and not kernel_autotune_enabled():
         config = _usable(_gemm_fp8_kernel.configs, scale_block, out)[0]
@@ -365,6 +351,6 @@ def gemm_fp8_triton(
     else:
         operands = (a, b)
     c = TensorDescriptor(out, out.shape, out.stride(), [bm, bn]) if tma_store else out
-    grid = (min(sms * config.kwargs["CTAS_PER_SM"], triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+    grid = (min(sms * config.kwargs.get("CTAS_PER_SM", 1), triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
     _gemm_fp8_kernel.fn[grid](*operands, c, a_scale, b_scale, *args, **launch_kwargs)
     return out
