@@ -133,22 +133,17 @@ def _grouped_gemm_jit(
                     mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0,
                 )
-                if PER_BLOCK and BLOCK_K % BLOCK_N == 0:
-                    # the tile's columns lie in one weight block: one multiply-add per element
+                if PER_BLOCK:
                     kb = k0 // BLOCK_K
                     sa = tl.load(a_scale_ptr + rows * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
-                    col_block = (t % num_pid_n) * BLOCK_N // BLOCK_K
-                    sb = tl.load(b_scale_ptr + g64 * stride_sbg + col_block * stride_sbn + kb * stride_sbk)
-                    acc += tl.dot(a, b) * (sa * sb)[:, None]
-                elif PER_BLOCK:
-                    kb = k0 // BLOCK_K
-                    sa = tl.load(a_scale_ptr + rows * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
-                    sb = tl.load(
-                        b_scale_ptr + g64 * stride_sbg + (cols // BLOCK_K) * stride_sbn + kb * stride_sbk,
-                        mask=col_ok,
-                        other=0.0,
-                    )
-                    acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+                    sb_ptr = b_scale_ptr + g64 * stride_sbg + kb * stride_sbk
+                    if BLOCK_K % BLOCK_N == 0:
+                        # the tile's columns lie in one weight block: one multiply-add per element
+                        sb = tl.load(sb_ptr + ((t % num_pid_n) * BLOCK_N // BLOCK_K) * stride_sbn)
+                        acc += tl.dot(a, b) * (sa * sb)[:, None]
+                    else:
+                        sb = tl.load(sb_ptr + (cols // BLOCK_K) * stride_sbn, mask=col_ok, other=0.0)
+                        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
                 elif SCALED:
                     acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
                 else:
