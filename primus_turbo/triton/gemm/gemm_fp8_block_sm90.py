@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import num_sms
 
 __all__ = ["BlockSm90Config", "gemm_fp8_block_sm90", "sm90_block_kernel_usable"]
@@ -75,17 +76,6 @@ def _mma_layout(BLOCK_M, BLOCK_N, num_warps):
     return gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
     )
-
-
-@gluon.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """Linear tile id to (pid_m, pid_n), GROUP_M row-tiles per column sweep for L2 reuse."""
-    in_group = GROUP_M * num_pid_n
-    group = tile // in_group
-    first_m = group * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    local = tile - group * in_group
-    return first_m + local % size_m, local // size_m
 
 
 @gluon.jit
