@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates
+
 __all__ = [
     "e8m0_scale",
     "quantize_fp8_dual_blocks_triton",
@@ -56,7 +58,11 @@ def _group_scale(amax, bad, FP8_MAX: tl.constexpr, MX: tl.constexpr, MX_EMAX: tl
 
 
 @triton.jit
-def _saturate(y, FP8_MAX: tl.constexpr):
+def _saturate(y, FP8_MAX: tl.constexpr, CAST_SATURATES: tl.constexpr = False):
+    """y clamped to +-FP8_MAX, NaN kept: the FP8 cast's input. Where the cast saturates by itself
+    (``fp8_cast_saturates``), a no-op: the clamp is a quarter of a quantization kernel's instructions."""
+    if CAST_SATURATES:
+        return y
     return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
 
 
@@ -80,6 +86,7 @@ def _quantize_groups_kernel(
     MX_EMAX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
 ):
     """One program: BLOCK_R rows x one column group. GROUP_R == 1 gives each row its own scale;
     GROUP_R == BLOCK_R makes the whole BLOCK_R x GROUP_C tile one group (2-D blocks)."""
@@ -107,7 +114,7 @@ def _quantize_groups_kernel(
         cols = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         mask = row_ok[:, None] & (cols < c_end)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
-        q = _saturate(x.to(tl.float32) * multiplier[:, None], FP8_MAX)
+        q = _saturate(x.to(tl.float32) * multiplier[:, None], FP8_MAX, CAST_SATURATES)
         tl.store(
             q_ptr + rows[:, None] * stride_qr + cols[None, :] * stride_qc,
             q.to(q_ptr.dtype.element_ty),
@@ -174,6 +181,7 @@ def _quantize_along(
     GROUP: tl.constexpr,
     N_GROUPS: tl.constexpr,
     TILE: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
 ):
     """One direction of the dual quantization: x (TILE, TILE) scaled by its groups along AXIS (amax from
     ``_group_amax``) and saturated; the scale of each line's group goes to ``s_ptr + line * stride_line +
@@ -181,7 +189,7 @@ def _quantize_along(
     tile's position along the grouped dimension of ``length`` elements."""
     bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, MX, MX_EMAX)
-    q = _saturate(_scale_groups(x, multiplier, AXIS, N_GROUPS, GROUP, TILE), FP8_MAX)
+    q = _saturate(_scale_groups(x, multiplier, AXIS, N_GROUPS, GROUP, TILE), FP8_MAX, CAST_SATURATES)
     if N_GROUPS == 1:
         tl.store(s_ptr + lines * stride_line + tile_index * stride_group, stored, mask=lines_ok)
     else:
@@ -216,6 +224,7 @@ def _quantize_dual_blocks_kernel(
     GROUP: tl.constexpr,
     N_GROUPS: tl.constexpr,
     TILE: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
 ):
     """One TILE x TILE tile of x (M, K), read once: 1 x GROUP groups along K go to ``q`` (M, K) and
     ``s`` (M, K / GROUP); GROUP x 1 groups along M go, transposed, to ``qt`` (K, M) and ``st``
@@ -253,6 +262,7 @@ def _quantize_dual_blocks_kernel(
         GROUP,
         N_GROUPS,
         TILE,
+        CAST_SATURATES,
     )
     q_tile = q_ptr + pid_m.to(tl.int64) * TILE * K + pid_k * TILE
     tl.store(q_tile + r[:, None] * K + r[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -273,6 +283,7 @@ def _quantize_dual_blocks_kernel(
         GROUP,
         N_GROUPS,
         TILE,
+        CAST_SATURATES,
     )
     qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
     tl.store(
@@ -282,7 +293,14 @@ def _quantize_dual_blocks_kernel(
 
 @triton.jit
 def _tensorwise_cast_kernel(
-    x_ptr, q_ptr, amax_ptr, scale_inv_ptr, N, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    amax_ptr,
+    scale_inv_ptr,
+    N,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
 ):
     """q = saturate(x * multiplier) for a contiguous tensor, the multiplier derived in every program from
     the one tensor amax (``_group_scale``'s rules); program 0 also stores scale_inv. Deriving it here
@@ -296,7 +314,8 @@ def _tensorwise_cast_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _saturate(x * multiplier, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+    q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8_groups_triton(
@@ -336,6 +355,7 @@ def quantize_fp8_groups_triton(
         MX_EMAX=mx_emax or 0,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
+        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
         num_warps=8 if block_r * block_c >= 8192 else 4,
     )
 
@@ -374,6 +394,7 @@ def quantize_fp8_dual_blocks_triton(
         GROUP=group,
         N_GROUPS=tile // group,
         TILE=tile,
+        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
         num_warps=8 if tile >= 128 else 4,
     )
 
@@ -387,5 +408,13 @@ def tensorwise_cast_fp8_triton(
     n = x.numel()
     block = 4096
     _tensorwise_cast_kernel[(triton.cdiv(n, block),)](
-        x, q, amax, scale_inv, n, FP8_MAX=torch.finfo(q.dtype).max, BLOCK=block, num_warps=8
+        x,
+        q,
+        amax,
+        scale_inv,
+        n,
+        FP8_MAX=torch.finfo(q.dtype).max,
+        BLOCK=block,
+        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
+        num_warps=8,
     )

@@ -9,6 +9,7 @@ from primus_turbo.common.constants import ENV_TRITON_AUTOTUNE
 from primus_turbo.common.platform import is_hopper_or_newer
 
 __all__ = [
+    "fp8_cast_saturates",
     "interpreter_active",
     "kernel_autotune_enabled",
     "max_shared_memory",
@@ -82,3 +83,16 @@ def supports_tma(device: torch.device) -> bool:
     if device.type == "cuda":
         return _cuda_has_tma(_cuda_index(device))
     return interpreter_active()
+
+
+def fp8_cast_saturates(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Triton's fp32 -> ``dtype`` cast saturates by itself on ``device``: NVIDIA sm_89+ converts to
+    the OCP types with ``cvt.rn.satfinite`` (beyond +-max and +-inf to +-max, NaN kept), so the kernels
+    can skip their own clamp. Not for the FNUZ types (converted in software there), not under the
+    interpreter, on ROCm or on older NVIDIA GPUs."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )

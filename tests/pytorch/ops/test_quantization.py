@@ -9,6 +9,7 @@ import torch
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
 from primus_turbo.pytorch.kernels.quantization import quantization_impl as impl
 from primus_turbo.pytorch.ops import dequantize_fp8, quantize_fp8, quantize_fp8_with_trans
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 from tests.pytorch.test_utils import DEVICES, compute_snr
 
 DEVICE = DEVICES[0]
@@ -347,3 +348,12 @@ def test_dequantize_of_transposed_views_matches_its_fake():
     torch.library.opcheck(
         impl.dequantize_fp8_impl, (q.t(), scale.t(), torch.float32, 1, 0, 1, False), test_utils=utils
     )
+
+
+def test_kernels_skip_their_clamp_only_where_the_cast_saturates():
+    cpu = torch.device("cpu")
+    assert not fp8_cast_saturates(cpu, E4M3)
+    if torch.cuda.is_available() and torch.version.hip is None:
+        gpu = torch.device("cuda")
+        assert not fp8_cast_saturates(gpu, torch.float8_e4m3fnuz)
+        assert fp8_cast_saturates(gpu, E5M2) == (torch.cuda.get_device_capability() >= (8, 9))
