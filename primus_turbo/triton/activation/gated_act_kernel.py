@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 
 __all__ = [
     "GELU_TANH",
@@ -91,6 +92,7 @@ def _gated_fwd_kernel(
     HAS_MASK: tl.constexpr,
     QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
     GROUP: tl.constexpr,
     N_GROUPS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -126,13 +128,15 @@ def _gated_fwd_kernel(
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=store)
         q_ptrs = q_ptr + rows[:, None] * H + cols[None, :]
         if QUANT == 1:
-            q = _saturate(out.to(tl.float32) * row_multiplier[:, None], FP8_MAX)
+            q = _saturate(out.to(tl.float32) * row_multiplier[:, None], FP8_MAX, CAST_SATURATES)
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=store)
         elif QUANT == 2:
             groups = tl.reshape(out.to(tl.float32), (ROWS, N_GROUPS, GROUP))
             amax, bad = _nonfinite_amax(groups, 2)
             multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
-            q = _saturate(tl.reshape(groups * multiplier[:, :, None], (ROWS, BLOCK_H)), FP8_MAX)
+            q = _saturate(
+                tl.reshape(groups * multiplier[:, :, None], (ROWS, BLOCK_H)), FP8_MAX, CAST_SATURATES
+            )
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=store)
             g = c0 // GROUP + tl.arange(0, N_GROUPS)
             n_scales = tl.cdiv(H, GROUP)
@@ -238,6 +242,7 @@ def gated_act_fwd_triton(
         HAS_MASK=row_mask is not None,
         QUANT=quant,
         FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
+        CAST_SATURATES=fp8_dtype is not None and fp8_cast_saturates(x.device, fp8_dtype),
         GROUP=group,
         N_GROUPS=max(1, block_h // group),
         ROWS=rows,

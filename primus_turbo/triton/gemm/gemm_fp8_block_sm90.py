@@ -66,7 +66,7 @@ class BlockSm90Config:
     """Launch choices: the 128 x 128 tile is fixed (two consumer warpgroups, one weight block wide)."""
 
     num_stages: int = 4
-    k_unroll: int = 4
+    k_unroll: int = 8
     group_m: int = 8
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
-from primus_turbo.triton.utils.device_info import num_sms
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates, num_sms
 
 __all__ = [
     "QUANT_BLOCKS",
@@ -61,6 +61,7 @@ def _rmsnorm_fwd_kernel(
     ZERO_CENTERED: tl.constexpr,
     QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
     GROUP: tl.constexpr,
     N_GROUPS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -93,7 +94,7 @@ def _rmsnorm_fwd_kernel(
         if QUANT == 1:
             bad = tl.sum(nonfinite.to(tl.int32), axis=1)
             multiplier, stored = _group_scale(tl.max(mag, axis=1), bad, FP8_MAX, False, 0)
-            q = _saturate(yq * multiplier[:, None], FP8_MAX)
+            q = _saturate(yq * multiplier[:, None], FP8_MAX, CAST_SATURATES)
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(qs_ptr + rows, stored, mask=row_ok)
         elif QUANT == 2:
@@ -103,7 +104,7 @@ def _rmsnorm_fwd_kernel(
             scaled = tl.reshape(
                 tl.reshape(yq, (ROWS, N_GROUPS, GROUP)) * multiplier[:, :, None], (ROWS, BLOCK_H)
             )
-            tl.store(q_ptrs, _saturate(scaled, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptrs, _saturate(scaled, FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty), mask=mask)
             groups = tl.arange(0, N_GROUPS)
             n_scales = tl.cdiv(H, GROUP)
             s_mask = row_ok[:, None] & (groups < n_scales)[None, :]
@@ -216,6 +217,7 @@ def rmsnorm_fwd_triton(
         ZERO_CENTERED=zero_centered,
         QUANT=quant,
         FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
+        CAST_SATURATES=fp8_dtype is not None and fp8_cast_saturates(x.device, fp8_dtype),
         GROUP=group,
         N_GROUPS=max(1, block_h // group),
         ROWS=rows_per_program,
