@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -25,11 +26,14 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
 from benchmark.ops.training.config import DEEPSEEK_V3, DENSE_MODELS, MOE_MODELS
 
 LOG = logging.getLogger("bench_norm_act_turbo")
 COPY_BYTES = 1 << 30
+# Graph timing replays calls back to back on warm L2 (50 MB on H200); each side cycles over enough input
+# sets that one round moves at least this many bytes, so no call finds its inputs still cached.
+ROTATION_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -125,25 +129,41 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def time_ops(fns: list[Callable], args: tuple[torch.Tensor, ...], device: str) -> list[tuple[float, float]]:
-    """(forward ms, backward ms) of each ``fn(*args)``, the functions interleaved call by call; each
-    backward runs from the first output with one fixed gradient."""
-    with torch.no_grad():
-        fwd = time_interleaved([functools.partial(fn, *args) for fn in fns], None, device)
-    outs = [_first(fn(*args)) for fn in fns]
-    grad = torch.randn_like(outs[0])
-    backwards = [functools.partial(out.backward, grad, retain_graph=True) for out in outs]
-    bwd = time_interleaved(backwards, list(args), device)
-    for t in args:
+def _cycling(calls: list[Callable]) -> Callable:
+    """One callable that runs ``calls`` in turn, one per invocation (captured graphs hold each in turn)."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def time_ops(
+    fns: list[Callable], sets: list[tuple[torch.Tensor, ...]], device: str, graph: bool
+) -> list[tuple[float, float]]:
+    """(forward ms, backward ms) of each ``fn(*inputs)``, the functions interleaved call by call and each
+    cycling over the input ``sets``; each backward runs from the first output with one fixed gradient."""
+    leaves = [t for inputs in sets for t in inputs]
+    with timing_stream(graph):
+        with torch.no_grad():
+            forwards = [_cycling([functools.partial(fn, *inputs) for inputs in sets]) for fn in fns]
+            fwd = time_interleaved(forwards, None, device, graph)
+        outs = [[_first(fn(*inputs)) for inputs in sets] for fn in fns]
+        grad = torch.randn_like(outs[0][0])
+        backwards = [
+            _cycling([functools.partial(out.backward, grad, retain_graph=True) for out in per_set])
+            for per_set in outs
+        ]
+        bwd = time_interleaved(backwards, leaves, device, graph)
+    for t in leaves:
         t.grad = None
     return list(zip(fwd, bwd, strict=True))
 
 
-def copy_bandwidth(device: str) -> float:
-    """GB/s of a 1 GiB device-to-device copy (read + write), the ceiling for memory-bound kernels."""
+def copy_bandwidth(device: str, graph: bool) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write), the ceiling for memory-bound kernels, timed
+    the way the ops are."""
     src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    (ms,) = time_interleaved([lambda: dst.copy_(src)], None, device)
+    with timing_stream(graph):
+        (ms,) = time_interleaved([lambda: dst.copy_(src)], None, device, graph)
     return 2 * COPY_BYTES / ms / 1e6
 
 
@@ -170,44 +190,42 @@ def _quantize_composite(y: torch.Tensor, name: str) -> tuple[torch.Tensor, torch
     return q.view(y.shape), 1.0 / scale
 
 
-def _fused_callables(base: str, tensors: tuple[torch.Tensor, ...], name: str) -> tuple[Callable, ...]:
-    """(fused producer, Turbo op + quantize_fp8, compiled composite) for one granularity."""
+def _fused_callables(base: str, sets: list[tuple[torch.Tensor, ...]], name: str) -> list[Callable]:
+    """[fused producer, Turbo op + quantize_fp8, compiled composite] for one granularity, each cycling
+    over the input ``sets``."""
     from primus_turbo.pytorch import ops
 
     config = _fp8_config(name)
     axis = None if name == "tensorwise" else 1
-    if base == "rmsnorm":
-        x, gamma = tensors
-        reference = functools.partial(_rmsnorm_ref, x, gamma)
-        fused = functools.partial(ops.rmsnorm_fp8, x, gamma, config)
-        unfused_op = functools.partial(ops.rmsnorm, x, gamma)
-    else:
-        (x,) = tensors
-        reference = functools.partial(_swiglu_ref, x)
-        fused = functools.partial(ops.swiglu_fp8, x, config)
-        unfused_op = functools.partial(ops.swiglu, x)
+    reference = _rmsnorm_ref if base == "rmsnorm" else _swiglu_ref
+    op = ops.rmsnorm if base == "rmsnorm" else ops.swiglu
+    producer = ops.rmsnorm_fp8 if base == "rmsnorm" else ops.swiglu_fp8
 
-    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
-        y = unfused_op()
+    def unfused(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.quantize_fp8(
-            y, torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
+            op(*tensors), torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
         )
 
-    composite = torch.compile(lambda: _quantize_composite(reference(), name))
-    return fused, unfused, composite
+    composite = torch.compile(lambda *tensors: _quantize_composite(reference(*tensors), name))
+    fused = functools.partial(lambda *tensors: producer(*tensors, config))
+    return [
+        _cycling([functools.partial(fn, *tensors) for tensors in sets]) for fn in (fused, unfused, composite)
+    ]
 
 
-def fused_rows(case: Case, args: argparse.Namespace) -> list[dict]:
+def fused_rows(case: Case, args: argparse.Namespace, graph: bool) -> list[dict]:
     """Forward time of each fused FP8 producer against its unfused and compiled peers."""
     base = "rmsnorm" if case.op == "rmsnorm" else "swiglu"
-    tensors = tuple(t.detach() for t in inputs(case, args.device)[0])
+    first, fwd_bytes, _ = inputs(case, args.device)
+    n_sets = math.ceil(ROTATION_BYTES / fwd_bytes) if graph else 1
+    sets = [first] + [inputs(case, args.device)[0] for _ in range(n_sets - 1)]
+    sets = [tuple(t.detach() for t in tensors) for tensors in sets]
     rows = []
     for name in FUSED_GRANULARITIES:
         if name == "blockwise" and case.hidden % 128:
             continue
-        fused, unfused, composite = _fused_callables(base, tensors, name)
-        with torch.no_grad():
-            times = time_interleaved([fused, unfused, composite], None, args.device)
+        with timing_stream(graph), torch.no_grad():
+            times = time_interleaved(_fused_callables(base, sets, name), None, args.device, graph)
         ms = dict(zip(("fused", "unfused", "compiled"), times, strict=True))
         row = {"Model": case.model, "Op": f"{base}_fp8", "Granularity": name, "Tokens": case.tokens}
         row.update({"Hidden": case.hidden, "Fused ms": ms["fused"], "Unfused ms": ms["unfused"]})
@@ -224,6 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", choices=("full", "quick", "tiny"), default="quick")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--fused-fp8", action="store_true", help="time the fused FP8 producers instead")
+    p.add_argument(
+        "--timer",
+        choices=("events", "graph"),
+        default="graph",
+        help="graph: CUDA-graph replays, device time only, inputs rotated past L2 (default); "
+        "events: one eager call between CUDA events, L2 flushed, host launch cost included",
+    )
     p.add_argument("-o", "--output", default="bench_norm_act.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -231,13 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     # buffers forbid; and each case compiles its own composite, more than dynamo's default 8 per frame.
     torch._functorch.config.donated_buffer = False
     torch._dynamo.config.recompile_limit = 256
-    copy_gbs = copy_bandwidth(args.device) if args.device == "cuda" else float("nan")
+    graph = args.device == "cuda" and args.timer == "graph"
+    copy_gbs = copy_bandwidth(args.device, graph) if args.device == "cuda" else float("nan")
     LOG.info("device copy bandwidth %.0f GB/s on %s", copy_gbs, platform_name(args.device))
     rows = []
     if args.fused_fp8:
         for case in cases(args.shapes):
             if case.op in ("rmsnorm", "swiglu"):
-                rows += fused_rows(case, args)
+                rows += fused_rows(case, args, graph)
         columns = ["Model", "Op", "Granularity", "Tokens", "Hidden", "vs unfused", "vs compiled"]
         print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
         if rows:
@@ -247,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
         fn, ref = _turbo(case.op), REFERENCES[case.op]
         compiled = torch.compile(ref)
         tensors, fwd_bytes, bwd_bytes = inputs(case, args.device)
+        n_sets = math.ceil(ROTATION_BYTES / min(fwd_bytes, bwd_bytes)) if graph else 1
+        sets = [tensors] + [inputs(case, args.device)[0] for _ in range(n_sets - 1)]
         row = {"Model": case.model, "Op": case.op, "Tokens": case.tokens, "Hidden": case.hidden}
-        times = time_ops([fn, ref, compiled], tensors, args.device)
+        times = time_ops([fn, ref, compiled], sets, args.device, graph)
         for label, (fwd_ms, bwd_ms) in zip(("Turbo", "Eager", "Compiled"), times, strict=True):
             row[f"{label} fwd ms"], row[f"{label} bwd ms"] = fwd_ms, bwd_ms
         for direction, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
@@ -256,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
             row[f"{direction} GB/s"] = gbs
             row[f"{direction} of copy"] = gbs / copy_gbs if not math.isnan(copy_gbs) else float("nan")
             row[f"{direction} vs compiled"] = row[f"Compiled {direction} ms"] / row[f"Turbo {direction} ms"]
-        row["Copy GB/s"] = copy_gbs
+        row["Copy GB/s"], row["Timer"] = copy_gbs, "graph" if graph else "events"
         row["Platform"], row["Torch"] = platform_name(args.device), torch.__version__
         rows.append(row)
         LOG.info("%s", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})

@@ -131,8 +131,10 @@ def _rmsnorm_bwd_kernel(
     ZERO_CENTERED: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    """Each program walks row blocks pid, pid + programs, ... and writes one dgamma partial."""
+    """Each program walks row blocks pid, pid + programs, ... and writes one dgamma partial. With
+    NUM_STAGES > 1 the next row blocks' dy and s stream into shared memory while this one computes."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -141,7 +143,7 @@ def _rmsnorm_bwd_kernel(
     if ZERO_CENTERED:
         w += 1.0
     dgamma = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for first in range(pid * ROWS, n_rows, programs * ROWS):
+    for first in tl.range(pid * ROWS, n_rows, programs * ROWS, num_stages=NUM_STAGES):
         rows = (first + tl.arange(0, ROWS)).to(tl.int64)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
@@ -228,15 +230,24 @@ def rmsnorm_fwd_triton(
 
 
 def rmsnorm_bwd_triton(
-    dy: torch.Tensor, s: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zero_centered: bool
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    gamma: torch.Tensor,
+    rstd: torch.Tensor,
+    zero_centered: bool,
+    launch: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dgamma)`` of 2-D ``dy``/``s`` (rows, H); ``dgamma`` in fp32, summed in a fixed order."""
+    """``(dx, dgamma)`` of 2-D ``dy``/``s`` (rows, H); ``dgamma`` in fp32, summed in a fixed order.
+    ``launch`` overrides (ROWS per block, warps, programs per SM, pipeline stages), for tuning."""
     n_rows, hidden = s.shape
     dx = torch.empty((n_rows, hidden), dtype=s.dtype, device=s.device)
     if n_rows == 0 or hidden == 0:
         return dx, torch.zeros(hidden, dtype=torch.float32, device=s.device)
     block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
-    programs = min(triton.cdiv(n_rows, rows_per_program), _BWD_PROGRAMS_PER_SM * num_sms(s.device))
+    per_sm, stages = _BWD_PROGRAMS_PER_SM, 1
+    if launch is not None:
+        rows_per_program, warps, per_sm, stages = launch
+    programs = min(triton.cdiv(n_rows, rows_per_program), per_sm * num_sms(s.device))
     partial = torch.empty((programs, block_h), dtype=torch.float32, device=s.device)
     _rmsnorm_bwd_kernel[(programs,)](
         dy,
@@ -253,6 +264,7 @@ def rmsnorm_bwd_triton(
         ZERO_CENTERED=zero_centered,
         ROWS=rows_per_program,
         BLOCK_H=block_h,
+        NUM_STAGES=stages,
         num_warps=warps,
     )
     return dx, partial[:, :hidden].sum(dim=0)
