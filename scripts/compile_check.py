@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
     attempt("rmsnorm backward", lambda: norm.rmsnorm_bwd_triton(x, x, gamma, torch.empty(64), False))
+    attempt(
+        "rmsnorm backward with the residual's gradient",
+        lambda: norm.rmsnorm_bwd_triton(x, x, gamma, torch.empty(64), False, x),
+    )
     wide, wide_gamma = torch.empty(64, 16384, dtype=bf16), torch.empty(16384, dtype=bf16)
     attempt(
         "rmsnorm backward H=16384",

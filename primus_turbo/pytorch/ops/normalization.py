@@ -79,10 +79,9 @@ class _RMSNormResidualFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds):
         s, gamma, rstd = ctx.saved_tensors
-        dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), s, gamma, rstd, ctx.zero_centered)
+        ds2d = _rows(ds) if ds is not None else None
+        dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), s, gamma, rstd, ctx.zero_centered, ds2d)
         dx = dx.view(dy.shape)
-        if ds is not None:
-            dx = dx + ds
         return dx, dx, dgamma.to(gamma.dtype), None, None
 
 

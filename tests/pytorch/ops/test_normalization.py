@@ -109,6 +109,7 @@ def test_opcheck_and_compile():
     torch.library.opcheck(impl.rmsnorm_residual_fwd_impl, (x, x.flip(0), gamma, 1e-6, True))
     y, rstd = impl.rmsnorm_fwd_impl(x, gamma, 1e-6, False)
     torch.library.opcheck(impl.rmsnorm_bwd_impl, (torch.randn_like(y), x, gamma, rstd, False))
+    torch.library.opcheck(impl.rmsnorm_bwd_impl, (torch.randn_like(y), x, gamma, rstd, False, x.flip(1)))
 
     def step(x, r, gamma):
         y, s = rmsnorm_residual(x, r, gamma)

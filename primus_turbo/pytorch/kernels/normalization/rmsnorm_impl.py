@@ -52,12 +52,19 @@ def rmsnorm_fwd_reference(
 
 
 def rmsnorm_bwd_reference(
-    dy: torch.Tensor, s: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zero_centered: bool
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    gamma: torch.Tensor,
+    rstd: torch.Tensor,
+    zero_centered: bool,
+    ds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dgamma)``; dgamma in fp32."""
+    """``(dx, dgamma)``; dgamma in fp32; ``ds`` (the gradient of s itself) is added to dx in fp32."""
     s_hat = s.float() * rstd[:, None]
     wdy = _weight(gamma, zero_centered) * dy.float()
     dx = rstd[:, None] * (wdy - s_hat * (s_hat * wdy).mean(dim=-1, keepdim=True))
+    if ds is not None:
+        dx = dx + ds.float()
     return dx.to(s.dtype).contiguous(), (dy.float() * s_hat).sum(dim=0)
 
 
@@ -97,16 +104,22 @@ def _rmsnorm_residual_fwd_fake(x, residual, gamma, eps, zero_centered):
 
 @custom_op("primus_turbo::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd_impl(
-    dy: torch.Tensor, s: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zero_centered: bool
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    gamma: torch.Tensor,
+    rstd: torch.Tensor,
+    zero_centered: bool,
+    ds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dgamma)`` with dgamma in fp32, reduced over rows in a fixed order."""
+    """``(dx, dgamma)`` with dgamma in fp32, reduced over rows in a fixed order; ``ds``, the gradient
+    of the residual sum s itself (rmsnorm_residual), joins dx in the same pass."""
     if _use_triton(s):
-        return rmsnorm_bwd_triton(dy, s, gamma, rstd, zero_centered)
-    return rmsnorm_bwd_reference(dy, s, gamma, rstd, zero_centered)
+        return rmsnorm_bwd_triton(dy, s, gamma, rstd, zero_centered, ds)
+    return rmsnorm_bwd_reference(dy, s, gamma, rstd, zero_centered, ds)
 
 
 @rmsnorm_bwd_impl.register_fake
-def _rmsnorm_bwd_fake(dy, s, gamma, rstd, zero_centered):
+def _rmsnorm_bwd_fake(dy, s, gamma, rstd, zero_centered, ds=None):
     return torch.empty(s.shape, dtype=s.dtype, device=s.device), s.new_empty(s.shape[1], dtype=torch.float32)
 
 
