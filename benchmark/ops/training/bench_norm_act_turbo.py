@@ -139,7 +139,8 @@ def time_ops(
     fns: list[Callable], sets: list[tuple[torch.Tensor, ...]], device: str, graph: bool
 ) -> list[tuple[float, float]]:
     """(forward ms, backward ms) of each ``fn(*inputs)``, the functions interleaved call by call and each
-    cycling over the input ``sets``; each backward runs from the first output with one fixed gradient."""
+    cycling over the input ``sets``; each backward takes the gradients of the inputs from the first output
+    with one fixed gradient."""
     leaves = [t for inputs in sets for t in inputs]
     with timing_stream(graph):
         with torch.no_grad():
@@ -147,14 +148,35 @@ def time_ops(
             fwd = time_interleaved(forwards, None, device, graph)
         outs = [[_first(fn(*inputs)) for inputs in sets] for fn in fns]
         grad = torch.randn_like(outs[0][0])
+        # autograd.grad, not backward: the gradients are returned, never accumulated into the leaves
+        # (two leaves sharing one gradient, as x and residual do, would cost an extra copy)
         backwards = [
-            _cycling([functools.partial(out.backward, grad, retain_graph=True) for out in per_set])
+            _cycling(
+                [
+                    functools.partial(torch.autograd.grad, out, inputs, grad, retain_graph=True)
+                    for out, inputs in zip(per_set, sets, strict=True)
+                ]
+            )
             for per_set in outs
         ]
         bwd = time_interleaved(backwards, leaves, device, graph)
     for t in leaves:
         t.grad = None
     return list(zip(fwd, bwd, strict=True))
+
+
+def copy_ms(nbytes: int, device: str, graph: bool) -> float:
+    """Milliseconds of a device copy moving ``nbytes`` (half read, half written) with the same kernel and
+    timing as ``copy_bandwidth``, cycling over buffers like the ops: the ceiling at that size, launch and
+    tail included."""
+    elements = max(1, nbytes // 4)
+    pairs = math.ceil(ROTATION_BYTES / nbytes) if graph else 1
+    buffers = [torch.randn(elements, dtype=torch.bfloat16, device=device) for _ in range(pairs)]
+    outs = [torch.empty_like(b) for b in buffers]
+    calls = [functools.partial(torch.neg, b, out=o) for b, o in zip(buffers, outs, strict=True)]
+    with timing_stream(graph):
+        (ms,) = time_interleaved([_cycling(calls)], None, device, graph)
+    return ms
 
 
 def copy_bandwidth(device: str, graph: bool) -> float:
@@ -285,13 +307,16 @@ def main(argv: list[str] | None = None) -> None:
             row[f"{direction} GB/s"] = gbs
             row[f"{direction} of copy"] = gbs / copy_gbs if not math.isnan(copy_gbs) else float("nan")
             row[f"{direction} vs compiled"] = row[f"Compiled {direction} ms"] / row[f"Turbo {direction} ms"]
+            if args.device == "cuda":
+                same_size = copy_ms(nbytes, args.device, graph) / row[f"Turbo {direction} ms"]
+                row[f"{direction} of same-size copy"] = same_size
         row["Copy GB/s"], row["Timer"] = copy_gbs, "graph" if graph else "events"
         row["Platform"], row["Torch"] = platform_name(args.device), torch.__version__
         rows.append(row)
         LOG.info("%s", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
-    columns = ["Model", "Op", "Tokens", "Hidden", "fwd GB/s", "fwd of copy", "fwd vs compiled"]
-    columns += ["bwd GB/s", "bwd of copy", "bwd vs compiled"]
-    print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
+    columns = ["Model", "Op", "Tokens", "Hidden", "fwd GB/s", "fwd of copy", "fwd of same-size copy"]
+    columns += ["fwd vs compiled", "bwd GB/s", "bwd of copy", "bwd of same-size copy", "bwd vs compiled"]
+    print(tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
     if rows:
         write_csv(args.output, rows)
 

@@ -193,10 +193,17 @@ def _gated_bwd_kernel(
         tl.store(dprobs_ptr + rows, dprobs, mask=in_range)
 
 
-def _launch_shape(hidden: int) -> tuple[int, int]:
-    """(ROWS, BLOCK_H): chunks of up to 2048 columns, about 4K elements per chunk."""
-    block_h = min(2048, triton.next_power_of_2(max(hidden, 1)))
-    return max(1, min(32, 4096 // block_h)), block_h
+def _launch_shape(hidden: int, group: int = 1) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_H, warps): chunks of up to 2048 columns, about 4K elements per chunk. BLOCK_H divides
+    H where a power of two >= 256 does (3584 = 7 x 512, 1536 = 3 x 512), so no chunk is part padding;
+    it stays a multiple of ``group`` (the quantization block)."""
+    block_h = min(2048, triton.next_power_of_2(max(hidden, group, 1)))
+    divisor = block_h
+    while divisor > 256 and hidden % divisor:
+        divisor //= 2
+    if hidden % divisor == 0 and divisor % group == 0:
+        block_h = divisor
+    return max(1, min(32, 4096 // block_h)), block_h, 4
 
 
 QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
@@ -210,11 +217,13 @@ def gated_act_fwd_triton(
     quant: int = QUANT_NONE,
     fp8_dtype: torch.dtype | None = None,
     group: int = 0,
+    launch: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, q, scales)``: ``act(x[:, :H]) * x[:, H:] (* probs)`` for 2-D ``x`` (rows, 2H) with a unit
     column stride, and with ``quant`` its FP8 copy ``q`` (rows, H) with fp32 scale_inv per row or per
     1 x ``group`` block, or (QUANT_TENSOR_AMAX) an empty ``q`` and the per-row amax (NaN for rows
-    holding NaN/inf). Without ``quant``, ``q`` and ``scales`` are empty."""
+    holding NaN/inf). Without ``quant``, ``q`` and ``scales`` are empty. ``launch`` overrides (ROWS,
+    BLOCK_H, warps), for tuning."""
     n_rows, width = x.shape
     hidden = width // 2
     out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
@@ -224,7 +233,7 @@ def gated_act_fwd_triton(
     scales = torch.empty((n_rows, n_scales) if quant else (0,), dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
         return out, q, scales
-    rows, block_h = _launch_shape(max(hidden, group))
+    rows, block_h, warps = launch or _launch_shape(hidden, group if quant == QUANT_BLOCKS else 1)
     group = group if quant == QUANT_BLOCKS else block_h
     _gated_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x,
@@ -247,22 +256,28 @@ def gated_act_fwd_triton(
         N_GROUPS=max(1, block_h // group),
         ROWS=rows,
         BLOCK_H=block_h,
-        num_warps=4,
+        num_warps=warps,
     )
     return out, q, scales
 
 
 def gated_act_bwd_triton(
-    dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    row_mask: torch.Tensor | None,
+    act: int,
+    launch: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dprobs)``; ``dprobs`` is fp32 per row (empty without ``probs``)."""
+    """``(dx, dprobs)``; ``dprobs`` is fp32 per row (empty without ``probs``). ``launch`` overrides
+    (ROWS, BLOCK_H, warps), for tuning."""
     n_rows, width = x.shape
     hidden = width // 2
     dx = torch.empty((n_rows, width), dtype=x.dtype, device=x.device)
     dprobs = torch.empty(n_rows if probs is not None else 0, dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
         return dx.zero_(), dprobs.zero_()
-    rows, block_h = _launch_shape(hidden)
+    rows, block_h, warps = launch or _launch_shape(hidden)
     _gated_bwd_kernel[(triton.cdiv(n_rows, rows),)](
         dy,
         x,
@@ -280,6 +295,6 @@ def gated_act_bwd_triton(
         HAS_MASK=row_mask is not None,
         ROWS=rows,
         BLOCK_H=block_h,
-        num_warps=4,
+        num_warps=warps,
     )
     return dx, dprobs

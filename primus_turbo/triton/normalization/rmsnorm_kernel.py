@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
-from primus_turbo.triton.utils.device_info import fp8_cast_saturates, num_sms
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates, max_shared_memory, num_sms
 
 __all__ = [
     "QUANT_BLOCKS",
@@ -35,6 +35,7 @@ _ELEMENTS_PER_PROGRAM = 8192
 _BWD_ELEMENTS_PER_BLOCK = 4096
 _BWD_PROGRAMS_PER_SM = 1
 _BWD_STAGES = 3
+_BWD_SMEM_RESERVE = 16 * 1024  # the row reductions' scratch
 
 
 def _launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
@@ -263,7 +264,10 @@ def rmsnorm_bwd_triton(
     block_h = triton.next_power_of_2(hidden)
     rows_per_program = max(1, min(16, _BWD_ELEMENTS_PER_BLOCK // block_h))
     warps = 8 if block_h * rows_per_program <= 8192 else 16
-    per_sm, stages = _BWD_PROGRAMS_PER_SM, _BWD_STAGES
+    # the pipeline keeps stages - 1 blocks of dy, s (and ds) in shared memory, less for wide fp32 rows
+    block_bytes = rows_per_program * block_h * sum(t.element_size() for t in (dy, s, ds) if t is not None)
+    buffers = min(_BWD_STAGES - 1, (max_shared_memory(s.device) - _BWD_SMEM_RESERVE) // block_bytes)
+    per_sm, stages = _BWD_PROGRAMS_PER_SM, 1 + max(0, buffers)
     if launch is not None:
         rows_per_program, warps, per_sm, stages = launch
     programs = min(triton.cdiv(n_rows, rows_per_program), per_sm * num_sms(s.device))

@@ -24,7 +24,7 @@ from tests.pytorch.test_utils import DEVICES, get_tolerances
 
 DEVICE = DEVICES[0]
 ON_GPU = DEVICE == "cuda"
-SHAPES = [(7, 2 * 96), (3, 2 * 2880), (0, 64), (5, 2 * 1)]
+SHAPES = [(7, 2 * 96), (3, 2 * 2880), (2, 2 * 3584), (0, 64), (5, 2 * 1)]
 if ON_GPU:
     SHAPES += [(8192, 2 * 8192), (4096, 2 * 7168)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -141,7 +141,7 @@ FUSED_CONFIGS = {
         format=Format.HYBRID, granularity=ScalingGranularity.BLOCKWISE, block_size=FP8_BLOCK
     ),
 }
-FUSED_SHAPES = [(6, 2 * 96), (5, 2 * 2880), (0, 64)] + ([(4096, 2 * 2048)] if ON_GPU else [])
+FUSED_SHAPES = [(6, 2 * 96), (5, 2 * 2880), (3, 2 * 1536), (0, 64)] + ([(4096, 2 * 2048)] if ON_GPU else [])
 
 
 @pytest.mark.parametrize("with_probs", [False, True], ids=["plain", "probs-mask"])
