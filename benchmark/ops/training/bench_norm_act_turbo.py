@@ -125,8 +125,8 @@ def inputs(case: Case, device: str) -> tuple[tuple[torch.Tensor, ...], int, int]
     return (x(t, 2 * h),), 3 * t * h * e, 5 * t * h * e
 
 
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
+def _outputs(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _cycling(calls: list[Callable]) -> Callable:
@@ -139,21 +139,21 @@ def time_ops(
     fns: list[Callable], sets: list[tuple[torch.Tensor, ...]], device: str, graph: bool
 ) -> list[tuple[float, float]]:
     """(forward ms, backward ms) of each ``fn(*inputs)``, the functions interleaved call by call and each
-    cycling over the input ``sets``; each backward takes the gradients of the inputs from the first output
-    with one fixed gradient."""
+    cycling over the input ``sets``; each backward takes the gradients of the inputs from every output
+    (rmsnorm_residual's y and residual sum s) with fixed output gradients."""
     leaves = [t for inputs in sets for t in inputs]
     with timing_stream(graph):
         with torch.no_grad():
             forwards = [_cycling([functools.partial(fn, *inputs) for inputs in sets]) for fn in fns]
             fwd = time_interleaved(forwards, None, device, graph)
-        outs = [[_first(fn(*inputs)) for inputs in sets] for fn in fns]
-        grad = torch.randn_like(outs[0][0])
+        outs = [[_outputs(fn(*inputs)) for inputs in sets] for fn in fns]
+        grads = tuple(torch.randn_like(out) for out in outs[0][0])
         # autograd.grad, not backward: the gradients are returned, never accumulated into the leaves
         # (two leaves sharing one gradient, as x and residual do, would cost an extra copy)
         backwards = [
             _cycling(
                 [
-                    functools.partial(torch.autograd.grad, out, inputs, grad, retain_graph=True)
+                    functools.partial(torch.autograd.grad, out, inputs, grads, retain_graph=True)
                     for out, inputs in zip(per_set, sets, strict=True)
                 ]
             )

@@ -74,11 +74,15 @@ class _RMSNormResidualFunction(torch.autograd.Function):
         y, s, rstd = call_op(rmsnorm_residual_fwd_impl, _rows(x), _rows(residual), gamma, eps, zero_centered)
         ctx.save_for_backward(s, gamma, rstd)
         ctx.zero_centered = zero_centered
+        # an unused output's gradient stays None instead of a tensor of zeros read back in full
+        ctx.set_materialize_grads(False)
         return y.view(x.shape), s.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy, ds):
         s, gamma, rstd = ctx.saved_tensors
+        if dy is None:
+            return ds, ds, None, None, None
         ds2d = _rows(ds) if ds is not None else None
         dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), s, gamma, rstd, ctx.zero_centered, ds2d)
         dx = dx.view(dy.shape)

@@ -73,6 +73,20 @@ def test_rmsnorm_residual_forward_backward(shape, dtype):
         _assert_close(actual.grad, leaf.grad, dtype)
 
 
+@pytest.mark.parametrize("used", ["y", "s"])
+def test_rmsnorm_residual_with_one_output_unused(used):
+    x, gamma, grad = _tensors((5, 96), torch.float32)
+    residual = _tensors((5, 96), torch.float32, seed=1)[0]
+    y, s = rmsnorm_residual(x, residual, gamma)
+    ((y if used == "y" else s) * grad).sum().backward()
+    leaves = [t.detach().double().requires_grad_() for t in (x, residual, gamma)]
+    expected_y, expected_s = _reference(*leaves[:1], leaves[2], 1e-6, False, leaves[1])
+    ((expected_y if used == "y" else expected_s) * grad.double()).sum().backward()
+    _assert_close(x.grad, leaves[0].grad, torch.float32)
+    _assert_close(residual.grad, leaves[1].grad, torch.float32)
+    assert (gamma.grad is None) == (used == "s")
+
+
 def test_strided_rows_need_no_copy():
     wide = torch.randn(6, 160, device=DEVICE)
     x = wide[:, :96]
