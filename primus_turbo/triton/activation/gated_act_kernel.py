@@ -201,6 +201,15 @@ def _launch_shape(hidden: int) -> tuple[int, int, int]:
     return max(1, min(32, 4096 // block_h)), block_h, 8
 
 
+def _bwd_launch_shape(hidden: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_H, warps) of the backward: half the forward's chunk, about 2K elements. The per-row
+    probability gradient keeps the products live through a cross-warp reduction, and at 4K elements per
+    chunk (93 registers) two programs fit an SM: on H200 swiglu_with_probs' backward ran at 0.73-0.82 of
+    a same-size copy, at 2K (40 registers) 0.90-1.00, the plain backward unchanged (0.98-1.00)."""
+    block_h = min(2048, triton.next_power_of_2(max(hidden, 1)))
+    return max(1, min(32, 2048 // block_h)), block_h, 8
+
+
 QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
 
 
@@ -272,7 +281,7 @@ def gated_act_bwd_triton(
     dprobs = torch.empty(n_rows if probs is not None else 0, dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
         return dx.zero_(), dprobs.zero_()
-    rows, block_h, warps = launch or _launch_shape(hidden)
+    rows, block_h, warps = launch or _bwd_launch_shape(hidden)
     _gated_bwd_kernel[(triton.cdiv(n_rows, rows),)](
         dy,
         x,
