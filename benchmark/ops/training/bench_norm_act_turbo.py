@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -26,14 +25,19 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
+from benchmark.ops.training.bench_utils import (
+    ROTATION_BYTES,
+    copy_ms,
+    cycling,
+    platform_name,
+    time_interleaved,
+    timing_stream,
+    write_csv,
+)
 from benchmark.ops.training.config import DEEPSEEK_V3, DENSE_MODELS, MOE_MODELS
 
 LOG = logging.getLogger("bench_norm_act_turbo")
 COPY_BYTES = 1 << 30
-# Graph timing replays calls back to back on warm L2 (50 MB on H200); each side cycles over enough input
-# sets that one round moves at least this many bytes, so no call finds its inputs still cached.
-ROTATION_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -129,12 +133,6 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _cycling(calls: list[Callable]) -> Callable:
-    """One callable that runs ``calls`` in turn, one per invocation (captured graphs hold each in turn)."""
-    turn = itertools.cycle(calls)
-    return lambda: next(turn)()
-
-
 def time_ops(
     fns: list[Callable], sets: list[tuple[torch.Tensor, ...]], device: str, graph: bool
 ) -> list[tuple[float, float]]:
@@ -144,14 +142,14 @@ def time_ops(
     leaves = [t for inputs in sets for t in inputs]
     with timing_stream(graph):
         with torch.no_grad():
-            forwards = [_cycling([functools.partial(fn, *inputs) for inputs in sets]) for fn in fns]
+            forwards = [cycling([functools.partial(fn, *inputs) for inputs in sets]) for fn in fns]
             fwd = time_interleaved(forwards, None, device, graph)
         outs = [[_outputs(fn(*inputs)) for inputs in sets] for fn in fns]
         grads = tuple(torch.randn_like(out) for out in outs[0][0])
         # autograd.grad, not backward: the gradients are returned, never accumulated into the leaves
         # (two leaves sharing one gradient, as x and residual do, would cost an extra copy)
         backwards = [
-            _cycling(
+            cycling(
                 [
                     functools.partial(torch.autograd.grad, out, inputs, grads, retain_graph=True)
                     for out, inputs in zip(per_set, sets, strict=True)
@@ -165,29 +163,11 @@ def time_ops(
     return list(zip(fwd, bwd, strict=True))
 
 
-def copy_ms(nbytes: int, device: str, graph: bool) -> float:
-    """Milliseconds of a device copy moving ``nbytes`` (half read, half written) with the same kernel and
-    timing as ``copy_bandwidth``, cycling over buffers like the ops: the ceiling at that size, launch and
-    tail included."""
-    elements = max(1, nbytes // 4)
-    pairs = math.ceil(ROTATION_BYTES / nbytes) if graph else 1
-    buffers = [torch.randn(elements, dtype=torch.bfloat16, device=device) for _ in range(pairs)]
-    outs = [torch.empty_like(b) for b in buffers]
-    calls = [functools.partial(torch.neg, b, out=o) for b, o in zip(buffers, outs, strict=True)]
-    with timing_stream(graph):
-        (ms,) = time_interleaved([_cycling(calls)], None, device, graph)
-    return ms
-
-
 def copy_bandwidth(device: str, graph: bool) -> float:
     """GB/s of a 1 GiB device-to-device copy (read + write), the ceiling for memory-bound kernels, timed
-    the way the ops are. The copy is an elementwise kernel (``neg``): a graph turns ``copy_`` into a
-    memcpy node that the copy engines run at about 2.7 TB/s on H200, against 4.2 TB/s for a kernel."""
-    src = torch.randn(COPY_BYTES // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    with timing_stream(graph):
-        (ms,) = time_interleaved([lambda: torch.neg(src, out=dst)], None, device, graph)
-    return 2 * COPY_BYTES / ms / 1e6
+    the way the ops are (``copy_ms``: an elementwise kernel, since a graph runs ``copy_`` on the copy
+    engines at about 2.7 TB/s on H200, against 4.2 TB/s for a kernel)."""
+    return 2 * COPY_BYTES / copy_ms(2 * COPY_BYTES, device, graph) / 1e6
 
 
 FUSED_GRANULARITIES = ("tensorwise", "rowwise", "blockwise")
@@ -232,7 +212,7 @@ def _fused_callables(base: str, sets: list[tuple[torch.Tensor, ...]], name: str)
     composite = torch.compile(lambda *tensors: _quantize_composite(reference(*tensors), name))
     fused = functools.partial(lambda *tensors: producer(*tensors, config))
     return [
-        _cycling([functools.partial(fn, *tensors) for tensors in sets]) for fn in (fused, unfused, composite)
+        cycling([functools.partial(fn, *tensors) for tensors in sets]) for fn in (fused, unfused, composite)
     ]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
+import itertools
 import math
 import platform
 import statistics
@@ -15,7 +17,10 @@ import torch
 from benchmark.ops.training.config import GemmShape
 
 __all__ = [
+    "ROTATION_BYTES",
+    "copy_ms",
     "cpu_timer",
+    "cycling",
     "make_inputs",
     "paired_cuda_timer",
     "platform_name",
@@ -28,6 +33,9 @@ PAIRED_WINDOW_MS = 150.0  # device time each function gets in a paired measureme
 MIN_TIMED_CALLS = 20  # long calls get a longer window so that each median has this many samples
 PAIRED_MAX_CALLS = 400
 GRAPH_REPLAY_MS = 0.5  # calls captured per graph so that one replay lasts at least this long
+# Graph timing replays calls back to back on warm L2 (50 MB on H200); each side cycles over enough input
+# sets that one round moves at least this many bytes, so no call finds its inputs still cached.
+ROTATION_BYTES = 256 << 20
 
 
 def _reset_grads(tensors: list[torch.Tensor] | None) -> None:
@@ -162,3 +170,23 @@ def write_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def cycling(calls: list[Callable]) -> Callable:
+    """One callable that runs ``calls`` in turn, one per invocation (captured graphs hold each in turn)."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def copy_ms(nbytes: int, device: str, graph: bool) -> float:
+    """Milliseconds of a device copy moving ``nbytes`` (half read, half written) by an elementwise kernel
+    (``neg``; a graph would run ``copy_`` on the copy engines), cycling over buffers like the ops: the
+    bandwidth ceiling at that size, launch and tail included."""
+    elements = max(1, nbytes // 4)
+    pairs = math.ceil(ROTATION_BYTES / nbytes) if graph else 1
+    buffers = [torch.randn(elements, dtype=torch.bfloat16, device=device) for _ in range(pairs)]
+    outs = [torch.empty_like(b) for b in buffers]
+    calls = [functools.partial(torch.neg, b, out=o) for b, o in zip(buffers, outs, strict=True)]
+    with timing_stream(graph):
+        (ms,) = time_interleaved([cycling(calls)], None, device, graph)
+    return ms
