@@ -15,17 +15,16 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import math
 from collections.abc import Callable
 
 import torch
 from tabulate import tabulate
 
 from benchmark.ops.training.bench_utils import (
-    ROTATION_BYTES,
     copy_ms,
     cycling,
     platform_name,
+    rotation_sets,
     time_interleaved,
     timing_stream,
     write_csv,
@@ -44,7 +43,7 @@ WIDTH = (1536, 2048, 3584)  # activations: Qwen3-235B and DeepSeek-V3 experts, L
 
 def _sets(make: Callable[[], tuple], nbytes: int, graph: bool) -> list[tuple]:
     """Input sets that together move at least ``ROTATION_BYTES`` per round (one without graphs)."""
-    return [make() for _ in range(math.ceil(ROTATION_BYTES / nbytes) if graph else 1)]
+    return [make() for _ in range(rotation_sets(nbytes, graph))]
 
 
 def _rmsnorm_bwd_rows(tokens: int, hidden: int, device: str, graph: bool) -> list[dict]:

@@ -26,10 +26,10 @@ import torch._functorch.config
 from tabulate import tabulate
 
 from benchmark.ops.training.bench_utils import (
-    ROTATION_BYTES,
     copy_ms,
     cycling,
     platform_name,
+    rotation_sets,
     time_interleaved,
     timing_stream,
     write_csv,
@@ -220,8 +220,7 @@ def fused_rows(case: Case, args: argparse.Namespace, graph: bool) -> list[dict]:
     """Forward time of each fused FP8 producer against its unfused and compiled peers."""
     base = "rmsnorm" if case.op == "rmsnorm" else "swiglu"
     first, fwd_bytes, _ = inputs(case, args.device)
-    n_sets = math.ceil(ROTATION_BYTES / fwd_bytes) if graph else 1
-    sets = [first] + [inputs(case, args.device)[0] for _ in range(n_sets - 1)]
+    sets = [first] + [inputs(case, args.device)[0] for _ in range(rotation_sets(fwd_bytes, graph) - 1)]
     sets = [tuple(t.detach() for t in tensors) for tensors in sets]
     rows = []
     for name in FUSED_GRANULARITIES:
@@ -276,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         fn, ref = _turbo(case.op), REFERENCES[case.op]
         compiled = torch.compile(ref)
         tensors, fwd_bytes, bwd_bytes = inputs(case, args.device)
-        n_sets = math.ceil(ROTATION_BYTES / min(fwd_bytes, bwd_bytes)) if graph else 1
+        n_sets = rotation_sets(min(fwd_bytes, bwd_bytes), graph)
         sets = [tensors] + [inputs(case, args.device)[0] for _ in range(n_sets - 1)]
         row = {"Model": case.model, "Op": case.op, "Tokens": case.tokens, "Hidden": case.hidden}
         times = time_ops([fn, ref, compiled], sets, args.device, graph)

@@ -21,6 +21,7 @@ __all__ = [
     "copy_ms",
     "cpu_timer",
     "cycling",
+    "rotation_sets",
     "make_inputs",
     "paired_cuda_timer",
     "platform_name",
@@ -178,12 +179,19 @@ def cycling(calls: list[Callable]) -> Callable:
     return lambda: next(turn)()
 
 
+def rotation_sets(nbytes: int, graph: bool) -> int:
+    """How many input sets a side cycles over so that one round moves at least ``ROTATION_BYTES`` when
+    each call moves ``nbytes``: graph replays would otherwise find the inputs still in L2; one set for
+    eager timing, which flushes L2 itself."""
+    return math.ceil(ROTATION_BYTES / nbytes) if graph else 1
+
+
 def copy_ms(nbytes: int, device: str, graph: bool) -> float:
     """Milliseconds of a device copy moving ``nbytes`` (half read, half written) by an elementwise kernel
     (``neg``; a graph would run ``copy_`` on the copy engines), cycling over buffers like the ops: the
     bandwidth ceiling at that size, launch and tail included."""
     elements = max(1, nbytes // 4)
-    pairs = math.ceil(ROTATION_BYTES / nbytes) if graph else 1
+    pairs = rotation_sets(nbytes, graph)
     buffers = [torch.randn(elements, dtype=torch.bfloat16, device=device) for _ in range(pairs)]
     outs = [torch.empty_like(b) for b in buffers]
     calls = [functools.partial(torch.neg, b, out=o) for b, o in zip(buffers, outs, strict=True)]
