@@ -193,21 +193,19 @@ def _gated_bwd_kernel(
         tl.store(dprobs_ptr + rows, dprobs, mask=in_range)
 
 
-def _launch_shape(hidden: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_H, warps): chunks of up to 2048 columns, about 4K elements per chunk, 8 warps. On
-    H200 (CUDA graphs, 4096-16384 tokens) 8 warps beat 4 by 0-6%, and chunks that divide H exactly
-    (3584 as 7 x 512) lost 2-40% against padding the last 2048-wide chunk."""
+def _launch_shape(hidden: int, elements: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_H, warps): chunks of up to 2048 columns, about ``elements`` per chunk, 8 warps.
+
+    On H200 (CUDA graphs, 4096-16384 tokens) 8 warps beat 4 by 0-6%, and chunks that divide H exactly
+    (3584 as 7 x 512) lost 2-40% against padding the last 2048-wide chunk. The forward takes 4K elements;
+    the backward 2K: its per-row probability gradient keeps the products live through a cross-warp
+    reduction, and at 4K (93 registers) two programs fit an SM, so swiglu_with_probs' backward ran at
+    0.73-0.82 of a same-size copy against 0.90-1.00 at 2K (40 registers), the plain backward unchanged."""
     block_h = min(2048, triton.next_power_of_2(max(hidden, 1)))
-    return max(1, min(32, 4096 // block_h)), block_h, 8
+    return max(1, min(32, elements // block_h)), block_h, 8
 
 
-def _bwd_launch_shape(hidden: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_H, warps) of the backward: half the forward's chunk, about 2K elements. The per-row
-    probability gradient keeps the products live through a cross-warp reduction, and at 4K elements per
-    chunk (93 registers) two programs fit an SM: on H200 swiglu_with_probs' backward ran at 0.73-0.82 of
-    a same-size copy, at 2K (40 registers) 0.90-1.00, the plain backward unchanged (0.98-1.00)."""
-    block_h = min(2048, triton.next_power_of_2(max(hidden, 1)))
-    return max(1, min(32, 2048 // block_h)), block_h, 8
+_FWD_ELEMENTS, _BWD_ELEMENTS = 4096, 2048
 
 
 QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
@@ -237,7 +235,7 @@ def gated_act_fwd_triton(
     scales = torch.empty((n_rows, n_scales) if quant else (0,), dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
         return out, q, scales
-    rows, block_h, warps = launch or _launch_shape(max(hidden, group))
+    rows, block_h, warps = launch or _launch_shape(max(hidden, group), _FWD_ELEMENTS)
     group = group if quant == QUANT_BLOCKS else block_h
     _gated_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x,
@@ -281,7 +279,7 @@ def gated_act_bwd_triton(
     dprobs = torch.empty(n_rows if probs is not None else 0, dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
         return dx.zero_(), dprobs.zero_()
-    rows, block_h, warps = launch or _bwd_launch_shape(hidden)
+    rows, block_h, warps = launch or _launch_shape(hidden, _BWD_ELEMENTS)
     _gated_bwd_kernel[(triton.cdiv(n_rows, rows),)](
         dy,
         x,
