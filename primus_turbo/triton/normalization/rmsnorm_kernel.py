@@ -259,12 +259,12 @@ def rmsnorm_bwd_triton(
     n_rows, hidden = s.shape
     dx = torch.empty((n_rows, hidden), dtype=s.dtype, device=s.device)
     if n_rows == 0 or hidden == 0:
-        return dx.copy_(ds) if ds is not None else dx, torch.zeros(
-            hidden, dtype=torch.float32, device=s.device
-        )
+        if ds is not None:
+            dx.copy_(ds)
+        return dx, torch.zeros(hidden, dtype=torch.float32, device=s.device)
     block_h = triton.next_power_of_2(hidden)
     rows_per_program = max(1, min(16, _BWD_ELEMENTS_PER_BLOCK // block_h))
-    warps = 8 if block_h * rows_per_program <= 8192 else 16
+    warps = 8 if block_h * rows_per_program <= _BWD_ELEMENTS_PER_BLOCK else 16
     # the pipeline keeps stages - 1 blocks of dy, s (and ds) in shared memory, less for wide fp32 rows
     block_bytes = rows_per_program * block_h * sum(t.element_size() for t in (dy, s, ds) if t is not None)
     buffers = min(_BWD_STAGES - 1, (max_shared_memory(s.device) - _BWD_SMEM_RESERVE) // block_bytes)
