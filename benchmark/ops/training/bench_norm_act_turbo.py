@@ -210,10 +210,12 @@ def _fused_callables(base: str, sets: list[tuple[torch.Tensor, ...]], name: str)
         )
 
     composite = torch.compile(lambda *tensors: _quantize_composite(reference(*tensors), name))
-    fused = functools.partial(lambda *tensors: producer(*tensors, config))
-    return [
-        cycling([functools.partial(fn, *tensors) for tensors in sets]) for fn in (fused, unfused, composite)
-    ]
+
+    def fused(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return producer(*tensors, config)
+
+    sides = (fused, unfused, composite)
+    return [cycling([functools.partial(fn, *tensors) for tensors in sets]) for fn in sides]
 
 
 def fused_rows(case: Case, args: argparse.Namespace, graph: bool) -> list[dict]:
