@@ -21,10 +21,10 @@ __all__ = [
     "copy_ms",
     "cpu_timer",
     "cycling",
-    "rotation_sets",
     "make_inputs",
     "paired_cuda_timer",
     "platform_name",
+    "rotation_sets",
     "time_interleaved",
     "timing_stream",
 ]
