@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["DEVICES", "compute_snr", "get_tolerances"]
+__all__ = ["DEVICES", "assert_fused_fp8_output", "compute_snr", "get_tolerances"]
 
 _TOLERANCES = {
     torch.float32: 1e-4,
@@ -16,6 +16,42 @@ _TOLERANCES = {
 }
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _significant_strides(t: torch.Tensor) -> list[int]:
+    """The strides that address anything: those of dimensions longer than 1."""
+    return [stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1]
+
+
+def assert_fused_fp8_output(fused, y: torch.Tensor, config, columnwise: bool) -> None:
+    """A fused producer's ``QuantizedTensor`` holds ``quantize_fp8_with_trans(y)`` (``quantize_fp8``
+    along the last dimension without ``columnwise``) bit for bit, laid out the same way, and writes no
+    high-precision values: only a ``grad_anchor`` of ``y``'s shape."""
+    from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+    from primus_turbo.pytorch.ops import quantize_fp8, quantize_fp8_with_trans
+
+    if columnwise:
+        expected = quantize_fp8_with_trans(
+            y, fused.data.dtype, config.granularity, block_size=config.block_size
+        )
+        got = (fused.data, fused.scale_inv, fused.data_t, fused.scale_inv_t)
+    else:
+        axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
+        expected = quantize_fp8(
+            y, fused.data.dtype, config.granularity, block_size=config.block_size, axis=axis
+        )
+        got = (fused.data, fused.scale_inv)
+        assert fused.data_t is None and fused.scale_inv_t is None
+    for value, reference in zip(got, expected, strict=True):
+        assert value.shape == reference.shape
+        if value.numel():
+            assert _significant_strides(value) == _significant_strides(reference)
+        if value.dtype.itemsize == 1:
+            assert torch.equal(value.view(torch.uint8), reference.view(torch.uint8))
+        else:
+            torch.testing.assert_close(value, reference, rtol=0, atol=0, equal_nan=True)
+    assert fused.hp is None
+    assert fused.grad_anchor.shape == y.shape and fused.grad_anchor.dtype == y.dtype
 
 
 def get_tolerances(dtype: torch.dtype) -> dict[str, float]:

@@ -21,7 +21,12 @@ from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
     gated_act_fp8_fwd_impl,
     gated_act_fwd_impl,
 )
-from primus_turbo.pytorch.ops.quantization import QuantizedTensor, fused_fp8_output, fused_fp8_settings
+from primus_turbo.pytorch.ops.quantization import (
+    QuantizedTensor,
+    fused_fp8_output,
+    fused_fp8_settings,
+    grad_anchor,
+)
 
 __all__ = ["geglu", "geglu_fp8", "geglu_with_probs", "swiglu", "swiglu_fp8", "swiglu_with_probs"]
 
@@ -54,19 +59,19 @@ class _GatedActFunction(torch.autograd.Function):
 
 class _GatedActFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, row_mask, act, fp8_dtype, granularity, block_size):
+    def forward(ctx, x, probs, row_mask, act, fp8_dtype, granularity, block_size, columnwise):
         x2d = x if x.stride(-1) == 1 else x.contiguous()
-        out, q, scale = call_op(
-            gated_act_fp8_fwd_impl, x2d, probs, row_mask, act, fp8_dtype, granularity, block_size
+        quantized = call_op(
+            gated_act_fp8_fwd_impl, x2d, probs, row_mask, act, fp8_dtype, granularity, block_size, columnwise
         )
         ctx.save_for_backward(x2d, probs, row_mask)
         ctx.act, ctx.shape = act, x.shape
-        ctx.mark_non_differentiable(q, scale)
-        return out, q, scale
+        ctx.mark_non_differentiable(*quantized)
+        return grad_anchor(quantized[0], x.dtype), *quantized
 
     @staticmethod
-    def backward(ctx, dy, dq, dscale):
-        return (*_gated_backward(ctx, dy), None, None, None, None, None)
+    def backward(ctx, dy, *_):
+        return (*_gated_backward(ctx, dy), *(None,) * 6)
 
 
 def _check(x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None) -> None:
@@ -125,14 +130,16 @@ def geglu_with_probs(
     return _gated(x, probs, row_mask, GELU_TANH)
 
 
-def _gated_fp8(x, config, probs, row_mask, act) -> QuantizedTensor:
+def _gated_fp8(x, config, probs, row_mask, act, columnwise) -> QuantizedTensor:
     _check(x, probs, row_mask)
     check_tensor("x", x, dim=2)
+    if not isinstance(columnwise, bool):
+        raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
     fp8_dtype, granularity, block = fused_fp8_settings(config, "swiglu_fp8/geglu_fp8")
-    out, q, scale = _GatedActFp8Function.apply(
-        x, _per_row(probs), _per_row(row_mask), act, fp8_dtype, granularity, block
+    anchor, *quantized = _GatedActFp8Function.apply(
+        x, _per_row(probs), _per_row(row_mask), act, fp8_dtype, granularity, block, columnwise
     )
-    return fused_fp8_output(q, scale, config, out)
+    return fused_fp8_output(*quantized, config, anchor, columnwise)
 
 
 def swiglu_fp8(
@@ -140,12 +147,13 @@ def swiglu_fp8(
     config: Float8QuantConfig,
     probs: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
+    columnwise: bool = True,
 ) -> QuantizedTensor:
-    """``swiglu`` (``swiglu_with_probs`` when ``probs`` is given) of ``x`` [tokens, 2H] that also emits
-    its FP8 quantization along H in the same kernel, for the next ``gemm_fp8`` (see ``rmsnorm_fp8``):
-    ``data``/``scale_inv`` equal ``quantize_fp8`` of the output bit for bit, and ``hp`` is the
-    differentiable output."""
-    return _gated_fp8(x, config, probs, row_mask, SILU)
+    """``swiglu`` (``swiglu_with_probs`` when ``probs`` is given) of ``x`` [tokens, 2H] written only in
+    FP8, for the next ``gemm_fp8`` (see ``rmsnorm_fp8``): ``data``/``scale_inv`` equal ``quantize_fp8`` of
+    the output along H bit for bit, ``data_t``/``scale_inv_t`` (with ``columnwise``) the copy along the
+    tokens for the weight gradient, and ``grad_anchor`` carries the output's gradient back."""
+    return _gated_fp8(x, config, probs, row_mask, SILU, columnwise)
 
 
 def geglu_fp8(
@@ -153,6 +161,7 @@ def geglu_fp8(
     config: Float8QuantConfig,
     probs: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
+    columnwise: bool = True,
 ) -> QuantizedTensor:
-    """``geglu`` / ``geglu_with_probs`` with the fused FP8 output of ``swiglu_fp8``."""
-    return _gated_fp8(x, config, probs, row_mask, GELU_TANH)
+    """``geglu`` / ``geglu_with_probs`` written only in FP8, as ``swiglu_fp8``."""
+    return _gated_fp8(x, config, probs, row_mask, GELU_TANH, columnwise)

@@ -74,16 +74,17 @@ def _quantize_operand(
     return _Operand(q, s, None, None, block_2d)
 
 
-def _prequantized_operand(
-    qt: QuantizedTensor, trans: bool, source: torch.Tensor | None, other: bool
-) -> _Operand:
+def _prequantized_operand(qt: QuantizedTensor, trans: bool, other: bool) -> _Operand:
     """Copies of a ``QuantizedTensor`` whose logical (rows, K) view is ``data.t()`` when ``trans``.
 
-    Tensorwise and 2-D block scales serve both directions, so the other copy is a transposed copy.
-    Other scalings are quantized along the reduction dimension only; their other copy is quantized
-    from ``source`` (the high-precision tensor, ``qt.hp``) when there is one, else from the dequantized
-    values (a second rounding).
+    The other copy is ``qt.data_t`` when the tensor carries one (a fused producer's column-wise copy).
+    Otherwise tensorwise and 2-D block scales serve both directions, so it is a transposed copy; other
+    scalings are quantized along the reduction dimension only, and their other copy is quantized from
+    ``qt.hp`` when there is one, else from the dequantized values (a second rounding).
     """
+    if not trans and qt.data_t is not None:
+        column = (qt.data_t, qt.scale_inv_t) if other else (None, None)
+        return _Operand(qt.data.contiguous(), qt.scale_inv, *column, qt.block_2d)
     q, s = (qt.data.t(), qt.scale_inv.t()) if trans else (qt.data, qt.scale_inv)
     q, s = q.contiguous(), s.contiguous()
     direction_free = qt.granularity is _G.TENSORWISE or qt.block_2d
@@ -91,7 +92,7 @@ def _prequantized_operand(
     if other and direction_free:
         q_other, s_other = q.t().contiguous(), s.t().contiguous()
     elif other:
-        values = source if source is not None else qt.dequantize(torch.float32)
+        values = qt.hp if qt.hp is not None else qt.dequantize(torch.float32)
         values = values.t() if trans else values
         q_other, s_other = quantize_fp8(
             values.t(), qt.data.dtype, qt.granularity, block_size=qt.block_size, axis=1
@@ -101,9 +102,9 @@ def _prequantized_operand(
 
 def _operand(x, qt, trans: bool, dtype: torch.dtype, config: Float8QuantConfig, weight: bool, other: bool):
     """Copies of an operand as stored (its logical (rows, K) form is the transpose when ``trans``):
-    quantized here from ``x``, or taken from the ``QuantizedTensor`` ``qt`` (whose source is ``x``)."""
+    taken from the ``QuantizedTensor`` ``qt``, or quantized here from ``x``."""
     if qt is not None:
-        return _prequantized_operand(qt, trans, x, other)
+        return _prequantized_operand(qt, trans, other)
     return _quantize_operand(x.t() if trans else x, dtype, config, weight, other)
 
 
@@ -184,6 +185,10 @@ def _check_operand(name: str, x) -> None:
         check_tensor(f"{name}.data", x.data, dim=2)
         if x.hp is not None and x.hp.shape != x.data.shape:
             raise ValueError(f"{name}.hp has shape {tuple(x.hp.shape)}, {name}.data {tuple(x.data.shape)}")
+        if x.data_t is not None and x.data_t.shape != x.data.shape[::-1]:
+            raise ValueError(
+                f"{name}.data_t has shape {tuple(x.data_t.shape)}, {name}.data {tuple(x.data.shape)}"
+            )
         return
     check_tensor(name, x, dim=2)
     check_dtype(f"{name}.dtype", x.dtype, _DTYPES)
@@ -246,6 +251,14 @@ def _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_patt
     return out_dtype
 
 
+def _differentiable(x) -> torch.Tensor | None:
+    """What the GEMM's gradient for ``x`` flows to: the tensor itself, or a ``QuantizedTensor``'s
+    high-precision source or producer anchor."""
+    if not isinstance(x, QuantizedTensor):
+        return x
+    return x.hp if x.hp is not None else x.grad_anchor
+
+
 def gemm_fp8(
     a: torch.Tensor | QuantizedTensor,
     b: torch.Tensor | QuantizedTensor,
@@ -260,16 +273,16 @@ def gemm_fp8(
     ``a`` is (M, K), or (K, M) with ``trans_a``; ``b`` is (K, N), or (N, K) with ``trans_b``. Each may be
     an fp16/bf16/fp32 tensor (quantized here with ``config``, default tensorwise E4M3) or a
     ``QuantizedTensor`` quantized along K with the same granularity; the gradient reaches its ``hp``
-    source when it has one (``rmsnorm_fp8``), and nothing otherwise. ``out_dtype``
-    defaults to the high-precision input dtype. ``fuse_bgrad_accum_pattern="megatron"`` adds the weight
-    gradient into ``b.main_grad`` as Megatron's gradient-accumulation fusion expects.
+    source or the fused producer behind its ``grad_anchor`` (``rmsnorm_fp8``), and nothing otherwise.
+    ``out_dtype`` defaults to the high-precision input dtype. ``fuse_bgrad_accum_pattern="megatron"``
+    adds the weight gradient into ``b.main_grad`` as Megatron's gradient-accumulation fusion expects.
     """
     config = Float8QuantConfig() if config is None else config
     out_dtype = _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)
     a_quantized = a if isinstance(a, QuantizedTensor) else None
     b_quantized = b if isinstance(b, QuantizedTensor) else None
-    a_source = a.hp if a_quantized is not None else a
-    b_source = b.hp if b_quantized is not None else b
+    a_source = _differentiable(a)
+    b_source = _differentiable(b)
     return _GemmFp8Function.apply(
         a_source,
         b_source,

@@ -20,7 +20,12 @@ from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
     rmsnorm_fwd_impl,
     rmsnorm_residual_fwd_impl,
 )
-from primus_turbo.pytorch.ops.quantization import QuantizedTensor, fused_fp8_output, fused_fp8_settings
+from primus_turbo.pytorch.ops.quantization import (
+    QuantizedTensor,
+    fused_fp8_output,
+    fused_fp8_settings,
+    grad_anchor,
+)
 
 __all__ = ["rmsnorm", "rmsnorm_fp8", "rmsnorm_residual"]
 
@@ -51,21 +56,29 @@ class _RMSNormFunction(torch.autograd.Function):
 
 class _RMSNormFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gamma, eps, zero_centered, fp8_dtype, granularity, block_size):
+    def forward(ctx, x, gamma, eps, zero_centered, fp8_dtype, granularity, block_size, columnwise):
         x2d = _rows(x)
-        y, rstd, q, scale = call_op(
-            rmsnorm_fp8_fwd_impl, x2d, gamma, eps, zero_centered, fp8_dtype, granularity, block_size
+        rstd, *quantized = call_op(
+            rmsnorm_fp8_fwd_impl,
+            x2d,
+            gamma,
+            eps,
+            zero_centered,
+            fp8_dtype,
+            granularity,
+            block_size,
+            columnwise,
         )
         ctx.save_for_backward(x2d, gamma, rstd)
         ctx.zero_centered = zero_centered
-        ctx.mark_non_differentiable(q, scale)
-        return y, q, scale
+        ctx.mark_non_differentiable(*quantized)
+        return grad_anchor(quantized[0], x.dtype), *quantized
 
     @staticmethod
-    def backward(ctx, dy, dq, dscale):
+    def backward(ctx, dy, *_):
         x2d, gamma, rstd = ctx.saved_tensors
         dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), x2d, gamma, rstd, ctx.zero_centered)
-        return dx.view(dy.shape), dgamma.to(gamma.dtype), None, None, None, None, None
+        return dx.view(dy.shape), dgamma.to(gamma.dtype), *(None,) * 6
 
 
 class _RMSNormResidualFunction(torch.autograd.Function):
@@ -139,19 +152,23 @@ def rmsnorm_fp8(
     config: Float8QuantConfig,
     eps: float = 1e-6,
     zero_centered: bool = False,
+    columnwise: bool = True,
 ) -> QuantizedTensor:
-    """``rmsnorm`` of a 2-D ``x`` [tokens, H] that also emits its FP8 quantization along H in the same
-    pass, ready to be ``gemm_fp8``'s activation operand.
+    """``rmsnorm`` of a 2-D ``x`` [tokens, H] written only in FP8, ready to be ``gemm_fp8``'s activation.
 
-    The result is a ``QuantizedTensor`` whose ``data``/``scale_inv`` equal ``quantize_fp8`` of the
-    normalized output bit for bit (tensorwise, per row, or 1 x ``block_size`` blocks; E4M3 for the
-    forward operand under HYBRID) and whose ``hp`` is the differentiable high-precision output, so
-    ``gemm_fp8`` reads FP8 in forward and its input gradient flows back through the norm.
+    ``data``/``scale_inv`` equal ``quantize_fp8`` of the normalized output along H bit for bit
+    (tensorwise, per row, or 1 x ``block_size`` blocks; E4M3 for the forward operand under HYBRID);
+    with ``columnwise`` (the default) ``data_t``/``scale_inv_t`` hold the copy along the tokens that
+    ``gemm_fp8``'s weight gradient reads, as ``quantize_fp8_with_trans`` makes it. No bf16 output is
+    written: the result's ``grad_anchor`` carries the gradient back through the norm. Pass
+    ``columnwise=False`` when the weight needs no gradient.
     """
     _check(x, gamma, eps, zero_centered)
     check_tensor("x", x, dim=2)
+    if not isinstance(columnwise, bool):
+        raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
     fp8_dtype, granularity, block = fused_fp8_settings(config, "rmsnorm_fp8")
-    y, q, scale = _RMSNormFp8Function.apply(
-        x, gamma.contiguous(), eps, zero_centered, fp8_dtype, granularity, block
+    anchor, *quantized = _RMSNormFp8Function.apply(
+        x, gamma.contiguous(), eps, zero_centered, fp8_dtype, granularity, block, columnwise
     )
-    return fused_fp8_output(q, scale, config, y)
+    return fused_fp8_output(*quantized, config, anchor, columnwise)

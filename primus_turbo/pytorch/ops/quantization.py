@@ -48,6 +48,7 @@ __all__ = [
     "dequantize_fp8",
     "fused_fp8_output",
     "fused_fp8_settings",
+    "grad_anchor",
     "quantize_fp4",
     "quantize_fp4_with_trans",
     "quantize_fp8",
@@ -252,9 +253,15 @@ class QuantizedTensor:
     """An FP8 tensor with its ``scale_inv`` and the settings that made them (see ``quantize_fp8``).
 
     Pass one to ``gemm_fp8`` to reuse a quantization (a cached FP8 weight, say). ``hp`` is the
-    high-precision tensor it was quantized from, when there is one to differentiate: a fused producer
-    (``rmsnorm_fp8``) sets it, and ``gemm_fp8`` then reads the FP8 data in forward and sends the
-    gradient to ``hp``. Without ``hp`` the GEMM does not differentiate through the operand.
+    high-precision tensor it was quantized from, when there is one to differentiate: ``gemm_fp8`` then
+    reads the FP8 data in forward and sends the gradient to ``hp``. ``data_t``/``scale_inv_t``, when
+    present, are the copy quantized along dimension 0 and stored transposed (``quantize_fp8_with_trans``'s
+    ``q_t``), which ``gemm_fp8`` reads for the weight gradient instead of quantizing again.
+
+    A fused producer (``rmsnorm_fp8``, ``swiglu_fp8``) writes no high-precision output: it sets
+    ``grad_anchor`` instead of ``hp``, a tensor of ``data``'s shape with no storage behind its elements
+    (all strides 0), through which the gradient of its output reaches it. Without ``hp`` or
+    ``grad_anchor`` the GEMM does not differentiate through the operand.
     """
 
     data: torch.Tensor
@@ -265,6 +272,9 @@ class QuantizedTensor:
     scaling_recipe: ScalingRecipe | None = None
     orig_dtype: torch.dtype = torch.bfloat16
     hp: torch.Tensor | None = None
+    data_t: torch.Tensor | None = None
+    scale_inv_t: torch.Tensor | None = None
+    grad_anchor: torch.Tensor | None = None
 
     @classmethod
     def quantize(
@@ -321,10 +331,25 @@ def fused_fp8_settings(config: object, producer: str) -> tuple[torch.dtype, int,
     return fp8_dtype_for(config.format, is_forward=True), config.granularity.value, config.block_size or 0
 
 
+def grad_anchor(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor of ``q``'s shape whose elements share one storage element (strides 0): the
+    differentiable output of a producer that writes its values only in FP8 (``q``)."""
+    return torch.empty_strided(q.shape, (0,) * q.dim(), dtype=dtype, device=q.device)
+
+
 def fused_fp8_output(
-    q: torch.Tensor, scale_inv: torch.Tensor, config: Float8QuantConfig, hp: torch.Tensor
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    q_t: torch.Tensor,
+    scale_inv_t: torch.Tensor,
+    config: Float8QuantConfig,
+    anchor: torch.Tensor,
+    columnwise: bool,
 ) -> QuantizedTensor:
-    """The ``QuantizedTensor`` a fused producer returns: its FP8 data along the last dimension and the
-    differentiable high-precision output as ``hp``."""
+    """The ``QuantizedTensor`` a fused producer returns: its FP8 data along the last dimension, the
+    column-wise copy when ``columnwise``, and the producer's ``grad_anchor``."""
     axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
-    return QuantizedTensor(q, scale_inv, config.granularity, config.block_size, axis, None, hp.dtype, hp)
+    column = (q_t, scale_inv_t) if columnwise else (None, None)
+    return QuantizedTensor(
+        q, scale_inv, config.granularity, config.block_size, axis, None, anchor.dtype, None, *column, anchor
+    )

@@ -13,19 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.quantization.fp8_emit import (
+    EMIT_BLOCK,
+    EMIT_ROW,
+    EMIT_TENSOR,
+    emit_fp8_tile,
+    emit_tile,
+    record_tile_amax,
+)
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 
-__all__ = [
-    "GELU_TANH",
-    "QUANT_BLOCKS",
-    "QUANT_NONE",
-    "QUANT_ROW",
-    "QUANT_TENSOR_AMAX",
-    "SILU",
-    "gated_act_bwd_triton",
-    "gated_act_fwd_triton",
-]
+__all__ = ["GELU_TANH", "SILU", "gated_act_bwd_triton", "gated_act_fp8_triton", "gated_act_fwd_triton"]
 
 SILU, GELU_TANH = 0, 1
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -87,9 +86,12 @@ def _gated_fwd_kernel(
     H,
     stride_x,
     stride_out,
+    stride_qs_row,
+    stride_qs_group,
     ACT: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
     QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
@@ -98,8 +100,8 @@ def _gated_fwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """QUANT: 0 none; 1 FP8 per row (a first sweep finds the row amax); 2 FP8 per 1 x GROUP block;
-    3 per-row amax for a tensorwise scale applied afterwards. Quantization reads the output as stored."""
+    """QUANT: 0 none; 1 FP8 per row (a first sweep finds the row amax); 2 FP8 per 1 x GROUP block.
+    Quantization reads the output as stored; WRITE_OUT False stores only the FP8 copy."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
     in_range = rows < n_rows
@@ -110,7 +112,7 @@ def _gated_fwd_kernel(
         for c0 in range(0, H, BLOCK_H):
             cols = c0 + tl.arange(0, BLOCK_H)
             chunk_amax, chunk_bad = _nonfinite_amax(
-                _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, out_ptr.dtype.element_ty).to(
+                _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, x_ptr.dtype.element_ty).to(
                     tl.float32
                 ),
                 1,
@@ -118,19 +120,18 @@ def _gated_fwd_kernel(
             amax = tl.maximum(amax, chunk_amax)
             bad += chunk_bad
         row_multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
-        tl.store(qs_ptr + rows, stored, mask=in_range)
-    tensor_amax = tl.zeros([ROWS], dtype=tl.float32)
-    tensor_bad = tl.zeros([ROWS], dtype=tl.int32)
+        tl.store(qs_ptr + rows * stride_qs_row, stored, mask=in_range)
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
         store = in_range[:, None] & (cols < H)[None, :]
-        out = _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=store)
+        out = _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, x_ptr.dtype.element_ty)
+        if WRITE_OUT:
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=store)
         q_ptrs = q_ptr + rows[:, None] * H + cols[None, :]
         if QUANT == 1:
             q = _saturate(out.to(tl.float32) * row_multiplier[:, None], FP8_MAX, CAST_SATURATES)
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=store)
-        elif QUANT == 2:
+        if QUANT == 2:
             groups = tl.reshape(out.to(tl.float32), (ROWS, N_GROUPS, GROUP))
             amax, bad = _nonfinite_amax(groups, 2)
             multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
@@ -141,13 +142,77 @@ def _gated_fwd_kernel(
             g = c0 // GROUP + tl.arange(0, N_GROUPS)
             n_scales = tl.cdiv(H, GROUP)
             s_mask = in_range[:, None] & (g < n_scales)[None, :]
-            tl.store(qs_ptr + rows[:, None] * n_scales + g[None, :], stored, mask=s_mask)
-        elif QUANT == 3:
-            chunk_amax, chunk_bad = _nonfinite_amax(out.to(tl.float32), 1)
-            tensor_amax = tl.maximum(tensor_amax, chunk_amax)
-            tensor_bad += chunk_bad
-    if QUANT == 3:
-        tl.store(qs_ptr + rows, tl.where(tensor_bad > 0, float("nan"), tensor_amax), mask=in_range)
+            s_offs = rows[:, None] * stride_qs_row + g[None, :] * stride_qs_group
+            tl.store(qs_ptr + s_offs, stored, mask=s_mask)
+
+
+@triton.jit
+def _gated_emit_kernel(
+    x_ptr,
+    probs_ptr,
+    mask_ptr,
+    q_ptr,
+    qs_ptr,
+    qt_ptr,
+    qts_ptr,
+    amax_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    n_rows,
+    H,
+    stride_x,
+    stride_qs_row,
+    stride_qs_group,
+    stride_qts_row,
+    stride_qts_group,
+    ACT: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    STATS: tl.constexpr,
+    MODE: tl.constexpr,
+    DUAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    N_GROUPS: tl.constexpr,
+    TILE: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
+):
+    """One TILE x TILE tile of the output, as stored: with STATS folded into the tensor or row and
+    column amaxes (``record_tile_amax``), else quantized by ``emit_fp8_tile``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE)
+    cols = pid_k * TILE + tl.arange(0, TILE)
+    live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
+    y = _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, x_ptr.dtype.element_ty).to(tl.float32)
+    if STATS:
+        record_tile_amax(y, rows, cols, rows < n_rows, cols < H, amax_ptr, row_amax_ptr, col_amax_ptr, MODE)
+    else:
+        emit_fp8_tile(
+            y,
+            pid_m,
+            pid_k,
+            n_rows,
+            H,
+            q_ptr,
+            qs_ptr,
+            qt_ptr,
+            qts_ptr,
+            amax_ptr,
+            row_amax_ptr,
+            col_amax_ptr,
+            stride_qs_row,
+            stride_qs_group,
+            stride_qts_row,
+            stride_qts_group,
+            MODE,
+            DUAL,
+            FP8_MAX,
+            GROUP,
+            N_GROUPS,
+            TILE,
+            CAST_SATURATES,
+        )
 
 
 @triton.jit
@@ -206,51 +271,30 @@ def _launch_shape(hidden: int, elements: int) -> tuple[int, int, int]:
 
 
 _FWD_ELEMENTS, _BWD_ELEMENTS = 4096, 2048
+_EMIT_WARPS = 8
 
 
-QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
-
-
-def gated_act_fwd_triton(
-    x: torch.Tensor,
-    probs: torch.Tensor | None,
-    row_mask: torch.Tensor | None,
-    act: int,
-    quant: int = QUANT_NONE,
-    fp8_dtype: torch.dtype | None = None,
-    group: int = 0,
-    launch: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, q, scales)``: ``act(x[:, :H]) * x[:, H:] (* probs)`` for 2-D ``x`` (rows, 2H) with a unit
-    column stride, and with ``quant`` its FP8 copy ``q`` (rows, H) with fp32 scale_inv per row or per
-    1 x ``group`` block, or (QUANT_TENSOR_AMAX) an empty ``q`` and the per-row amax (NaN for rows
-    holding NaN/inf). Without ``quant``, ``q`` and ``scales`` are empty. ``launch`` overrides (ROWS,
-    BLOCK_H, warps), for tuning."""
-    n_rows, width = x.shape
-    hidden = width // 2
-    out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
-    q_shape = (n_rows, hidden) if quant in (QUANT_ROW, QUANT_BLOCKS) else (0,)
-    q = torch.empty(q_shape, dtype=fp8_dtype or torch.uint8, device=x.device)
-    n_scales = triton.cdiv(hidden, group) if quant == QUANT_BLOCKS else 1
-    scales = torch.empty((n_rows, n_scales) if quant else (0,), dtype=torch.float32, device=x.device)
-    if n_rows == 0 or hidden == 0:
-        return out, q, scales
+def _fwd_launch(x, probs, row_mask, out, q, scale, act, quant, group, launch) -> None:
+    n_rows, hidden = x.shape[0], x.shape[1] // 2
     rows, block_h, warps = launch or _launch_shape(max(hidden, group), _FWD_ELEMENTS)
-    group = group if quant == QUANT_BLOCKS else block_h
+    group = group if quant == 2 else block_h
+    fp8_dtype = q.dtype if quant else None
     _gated_fwd_kernel[(triton.cdiv(n_rows, rows),)](
         x,
         probs if probs is not None else x,
         row_mask if row_mask is not None else x,
-        out,
+        out if out is not None else x,
         q,
-        scales,
+        scale,
         n_rows,
         hidden,
         x.stride(0),
-        out.stride(0),
+        out.stride(0) if out is not None else 0,
+        *_scale_strides(scale),
         ACT=act,
         HAS_PROBS=probs is not None,
         HAS_MASK=row_mask is not None,
+        WRITE_OUT=out is not None,
         QUANT=quant,
         FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
         CAST_SATURATES=fp8_dtype is not None and fp8_cast_saturates(x.device, fp8_dtype),
@@ -260,7 +304,89 @@ def gated_act_fwd_triton(
         BLOCK_H=block_h,
         num_warps=warps,
     )
-    return out, q, scales
+
+
+def _scale_strides(scale: torch.Tensor) -> tuple[int, int]:
+    """(per-row, per-group) strides of a scale tensor: () tensorwise, (rows, 1) or (rows, groups)."""
+    strides = tuple(scale.stride()) + (0, 0)
+    return strides[0], strides[1]
+
+
+def gated_act_fwd_triton(
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    row_mask: torch.Tensor | None,
+    act: int,
+    launch: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """``act(x[:, :H]) * x[:, H:] (* probs)`` for 2-D ``x`` (rows, 2H) with a unit column stride.
+    ``launch`` overrides (ROWS, BLOCK_H, warps), for tuning."""
+    n_rows, width = x.shape
+    out = torch.empty((n_rows, width // 2), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _fwd_launch(x, probs, row_mask, out, out, out, act, 0, 0, launch)
+    return out
+
+
+def gated_act_fp8_triton(
+    x: torch.Tensor,
+    probs: torch.Tensor | None,
+    row_mask: torch.Tensor | None,
+    act: int,
+    mode: int,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    q_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
+    group: int = 0,
+) -> None:
+    """The gated activation of 2-D ``x`` (rows, 2H) written only as FP8: ``q`` (rows, H) quantized along H
+    and, when ``q_t`` is given, ``q_t`` (H, rows) quantized along the rows; ``mode`` is EMIT_TENSOR,
+    EMIT_ROW or EMIT_BLOCK (1 x ``group``), the scale buffers laid out as ``quantize_fp8_with_trans``
+    returns them. Row and block scaling of ``q`` alone take one pass over ``x``; 1-D blocks take one
+    tiled pass for both copies; tensor and row scales need a first tiled pass for the amaxes."""
+    n_rows, hidden = x.shape[0], x.shape[1] // 2
+    if n_rows == 0 or hidden == 0:
+        return
+    dual = q_t is not None
+    if not dual and mode != EMIT_TENSOR:
+        _fwd_launch(x, probs, row_mask, None, q, scale, act, 1 if mode == EMIT_ROW else 2, group, None)
+        return
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    row_amax = torch.zeros(n_rows if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
+    col_amax = torch.zeros(hidden if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
+    tile = emit_tile(group if mode == EMIT_BLOCK else 0)
+    passes = (True, False) if mode != EMIT_BLOCK else (False,)
+    for stats in passes:
+        _gated_emit_kernel[(triton.cdiv(n_rows, tile), triton.cdiv(hidden, tile))](
+            x,
+            probs if probs is not None else x,
+            row_mask if row_mask is not None else x,
+            q,
+            scale,
+            q_t if dual else q,
+            scale_t if dual else scale,
+            amax,
+            row_amax,
+            col_amax,
+            n_rows,
+            hidden,
+            x.stride(0),
+            *_scale_strides(scale),
+            *_scale_strides(scale_t if dual else scale),
+            ACT=act,
+            HAS_PROBS=probs is not None,
+            HAS_MASK=row_mask is not None,
+            STATS=stats,
+            MODE=mode,
+            DUAL=dual,
+            FP8_MAX=torch.finfo(q.dtype).max,
+            GROUP=group if mode == EMIT_BLOCK else tile,
+            N_GROUPS=tile // group if mode == EMIT_BLOCK else 1,
+            TILE=tile,
+            CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
+            num_warps=_EMIT_WARPS,
+        )
 
 
 def gated_act_bwd_triton(

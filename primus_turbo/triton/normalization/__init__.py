@@ -1,5 +1,9 @@
 """Normalization kernels."""
 
-from primus_turbo.triton.normalization.rmsnorm_kernel import rmsnorm_bwd_triton, rmsnorm_fwd_triton
+from primus_turbo.triton.normalization.rmsnorm_kernel import (
+    rmsnorm_bwd_triton,
+    rmsnorm_fp8_triton,
+    rmsnorm_fwd_triton,
+)
 
-__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fwd_triton"]
+__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fp8_triton", "rmsnorm_fwd_triton"]

@@ -16,17 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
+from primus_turbo.triton.quantization.fp8_emit import (
+    EMIT_BLOCK,
+    EMIT_ROW,
+    EMIT_TENSOR,
+    amax_bits,
+    emit_fp8_tile,
+    emit_tile,
+)
+from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _nan_max, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates, max_shared_memory, num_sms
 
-__all__ = [
-    "QUANT_BLOCKS",
-    "QUANT_NONE",
-    "QUANT_ROW",
-    "QUANT_TENSOR_AMAX",
-    "rmsnorm_bwd_triton",
-    "rmsnorm_fwd_triton",
-]
+__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fp8_triton", "rmsnorm_fwd_triton"]
 
 _ELEMENTS_PER_PROGRAM = 8192
 # The backward's programs (one per SM) walk row blocks of about 8K elements and stream the next blocks'
@@ -37,6 +38,9 @@ _BWD_ELEMENTS_PER_BLOCK = 8192
 _BWD_PROGRAMS_PER_SM = 1
 _BWD_STAGES = 3
 _BWD_SMEM_RESERVE = 16 * 1024  # the row reductions' scratch
+# The FP8 producer's first pass reads x once, pipelined like the backward; the second runs tiles.
+_STATS_PROGRAMS_PER_SM = 1
+_EMIT_WARPS = 8
 
 
 def _launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
@@ -63,9 +67,12 @@ def _rmsnorm_fwd_kernel(
     stride_r,
     stride_y,
     stride_s,
+    stride_qs_row,
+    stride_qs_group,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    WRITE_Y: tl.constexpr,
     QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
@@ -74,9 +81,9 @@ def _rmsnorm_fwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """QUANT: 0 none; 1 FP8 per row; 2 FP8 per 1 x GROUP block; 3 per-row amax of y for a tensorwise
-    scale (the cast needs the global amax, so it runs after). Quantization reads y as stored (rounded
-    to y's dtype), so it equals quantizing the unfused output bit for bit."""
+    """QUANT: 0 none; 1 FP8 per row; 2 FP8 per 1 x GROUP block. Quantization reads y as stored (rounded
+    to y's dtype), so it equals quantizing the unfused output bit for bit; WRITE_Y False stores only
+    the FP8 copy."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     row_ok = rows < n_rows
@@ -89,8 +96,9 @@ def _rmsnorm_fwd_kernel(
     w = tl.load(gamma_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w += 1.0
-    y = (s * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    y = (s * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
+    if WRITE_Y:
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     if QUANT != 0:
         yq = tl.where(mask, y.to(tl.float32), 0.0)
@@ -103,8 +111,8 @@ def _rmsnorm_fwd_kernel(
             multiplier, stored = _group_scale(tl.max(mag, axis=1), bad, FP8_MAX, False, 0)
             q = _saturate(yq * multiplier[:, None], FP8_MAX, CAST_SATURATES)
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(qs_ptr + rows, stored, mask=row_ok)
-        elif QUANT == 2:
+            tl.store(qs_ptr + rows * stride_qs_row, stored, mask=row_ok)
+        else:
             amax = tl.max(tl.reshape(mag, (ROWS, N_GROUPS, GROUP)), axis=2)
             bad = tl.sum(tl.reshape(nonfinite.to(tl.int32), (ROWS, N_GROUPS, GROUP)), axis=2)
             multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
@@ -115,11 +123,8 @@ def _rmsnorm_fwd_kernel(
             groups = tl.arange(0, N_GROUPS)
             n_scales = tl.cdiv(H, GROUP)
             s_mask = row_ok[:, None] & (groups < n_scales)[None, :]
-            tl.store(qs_ptr + rows[:, None] * n_scales + groups[None, :], stored, mask=s_mask)
-        else:
-            bad = tl.sum(nonfinite.to(tl.int32), axis=1)
-            amax = tl.where(bad > 0, float("nan"), tl.max(mag, axis=1))
-            tl.store(qs_ptr + rows, amax, mask=row_ok)
+            s_offs = rows[:, None] * stride_qs_row + groups[None, :] * stride_qs_group
+            tl.store(qs_ptr + s_offs, stored, mask=s_mask)
 
 
 @triton.jit
@@ -176,7 +181,124 @@ def _rmsnorm_bwd_kernel(
     tl.store(dgamma_partial_ptr + pid * BLOCK_H + cols, dgamma, mask=col_ok)
 
 
-QUANT_NONE, QUANT_ROW, QUANT_BLOCKS, QUANT_TENSOR_AMAX = 0, 1, 2, 3
+@triton.jit
+def _rmsnorm_stats_kernel(
+    x_ptr,
+    gamma_ptr,
+    rstd_ptr,
+    amax_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    n_rows,
+    H,
+    stride_x,
+    eps,
+    ZERO_CENTERED: tl.constexpr,
+    MODE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """First pass of the FP8 producer: each program walks row blocks pid, pid + programs, ... and stores
+    rstd (the forward kernel's sums, same layout, so the same bits), and for the scales the output
+    needs, the amax of y as stored: per row (EMIT_ROW, written directly), per column and per tensor
+    (kept in registers, one atomic per program at the end)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w += 1.0
+    col_max = tl.zeros([BLOCK_H], dtype=tl.float32)
+    row_max = tl.zeros([ROWS], dtype=tl.float32)
+    for first in tl.range(pid * ROWS, n_rows, programs * ROWS, num_stages=NUM_STAGES):
+        rows = (first + tl.arange(0, ROWS)).to(tl.int64)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / H + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+        if MODE != EMIT_BLOCK:
+            mag = tl.abs((s * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32))
+            if MODE == EMIT_ROW:
+                tl.store(row_amax_ptr + rows, amax_bits(mag, 1), mask=row_ok)
+                col_max = _nan_max(col_max, tl.reduce(mag, 0, _nan_max))
+            else:
+                row_max = _nan_max(row_max, tl.reduce(mag, 1, _nan_max))
+    if MODE == EMIT_ROW:
+        tl.atomic_max(col_amax_ptr + cols, col_max.to(tl.int32, bitcast=True), mask=col_ok)
+    elif MODE == EMIT_TENSOR:
+        tl.atomic_max(amax_ptr, amax_bits(row_max, 0))
+
+
+@triton.jit
+def _rmsnorm_emit_kernel(
+    x_ptr,
+    gamma_ptr,
+    rstd_ptr,
+    q_ptr,
+    qs_ptr,
+    qt_ptr,
+    qts_ptr,
+    amax_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    n_rows,
+    H,
+    stride_x,
+    stride_qs_row,
+    stride_qs_group,
+    stride_qts_row,
+    stride_qts_group,
+    ZERO_CENTERED: tl.constexpr,
+    MODE: tl.constexpr,
+    DUAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    N_GROUPS: tl.constexpr,
+    TILE: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
+):
+    """Second pass: one TILE x TILE tile of y from x and the stored rstd, quantized by ``emit_fp8_tile``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE)
+    cols = pid_k * TILE + tl.arange(0, TILE)
+    row_ok = rows < n_rows
+    col_ok = cols < H
+    mask = row_ok[:, None] & col_ok[None, :]
+    s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    w = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w += 1.0
+    y = (s * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    emit_fp8_tile(
+        y,
+        pid_m,
+        pid_k,
+        n_rows,
+        H,
+        q_ptr,
+        qs_ptr,
+        qt_ptr,
+        qts_ptr,
+        amax_ptr,
+        row_amax_ptr,
+        col_amax_ptr,
+        stride_qs_row,
+        stride_qs_group,
+        stride_qts_row,
+        stride_qts_group,
+        MODE,
+        DUAL,
+        FP8_MAX,
+        GROUP,
+        N_GROUPS,
+        TILE,
+        CAST_SATURATES,
+    )
 
 
 def rmsnorm_fwd_triton(
@@ -185,34 +307,16 @@ def rmsnorm_fwd_triton(
     eps: float,
     zero_centered: bool,
     residual: torch.Tensor | None = None,
-    quant: int = QUANT_NONE,
-    fp8_dtype: torch.dtype | None = None,
-    group: int = 0,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, s, rstd)`` for 2-D ``x`` (rows, H) with unit column stride; ``s = x + residual`` (``x``
-    itself without a residual), ``rstd`` fp32 per row. With ``quant`` it also returns ``(q, scales)``:
-    FP8 ``q`` (rows, H) with fp32 ``scale_inv`` per row or per 1 x ``group`` block, or (QUANT_TENSOR_AMAX)
-    an empty ``q`` and the per-row amax of y (NaN for rows holding NaN/inf)."""
+    itself without a residual), ``rstd`` fp32 per row."""
     n_rows, hidden = x.shape
     y = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else x
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_h, rows_per_program, warps = _launch_shape(
-        n_rows, max(hidden, group if quant == QUANT_BLOCKS else 0)
-    )
-    q = torch.empty(
-        (n_rows, hidden) if quant in (QUANT_ROW, QUANT_BLOCKS) else (0,),
-        dtype=fp8_dtype or torch.uint8,
-        device=x.device,
-    )
-    n_scales = triton.cdiv(hidden, group) if quant == QUANT_BLOCKS else 1
-    scales = torch.empty(
-        (n_rows, n_scales) if quant != QUANT_NONE else (0,), dtype=torch.float32, device=x.device
-    )
-    extra = (q, scales) if quant != QUANT_NONE else ()
     if n_rows == 0 or hidden == 0:
-        return (y, s, rstd, *extra)
-    group = group if quant == QUANT_BLOCKS else block_h
+        return y, s, rstd
+    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
     r = residual if residual is not None else x
     _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows_per_program),)](
         x,
@@ -221,27 +325,160 @@ def rmsnorm_fwd_triton(
         y,
         s,
         rstd,
-        q,
-        scales,
+        y,
+        rstd,
         n_rows,
         hidden,
         x.stride(0),
         r.stride(0),
         y.stride(0),
         s.stride(0),
+        0,
+        0,
         eps,
         HAS_RESIDUAL=residual is not None,
         ZERO_CENTERED=zero_centered,
-        QUANT=quant,
-        FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
-        CAST_SATURATES=fp8_dtype is not None and fp8_cast_saturates(x.device, fp8_dtype),
+        WRITE_Y=True,
+        QUANT=0,
+        FP8_MAX=0.0,
+        CAST_SATURATES=False,
+        GROUP=block_h,
+        N_GROUPS=1,
+        ROWS=rows_per_program,
+        BLOCK_H=block_h,
+        num_warps=warps,
+    )
+    return y, s, rstd
+
+
+def _fp8_single_pass(x, gamma, eps, zero_centered, mode, q, scale, group, rstd) -> None:
+    """Row or 1 x group scaling of the forward copy alone: the forward kernel has whole rows, so it
+    quantizes in the same pass and writes no y."""
+    n_rows, hidden = x.shape
+    block_h, rows_per_program, warps = _launch_shape(n_rows, max(hidden, group if mode == EMIT_BLOCK else 0))
+    group = group if mode == EMIT_BLOCK else block_h
+    _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows_per_program),)](
+        x,
+        x,
+        gamma,
+        x,
+        x,
+        rstd,
+        q,
+        scale,
+        n_rows,
+        hidden,
+        x.stride(0),
+        x.stride(0),
+        0,
+        0,
+        scale.stride(0),
+        scale.stride(1) if scale.dim() == 2 else 0,
+        eps,
+        HAS_RESIDUAL=False,
+        ZERO_CENTERED=zero_centered,
+        WRITE_Y=False,
+        QUANT=1 if mode == EMIT_ROW else 2,
+        FP8_MAX=torch.finfo(q.dtype).max,
+        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
         GROUP=group,
         N_GROUPS=max(1, block_h // group),
         ROWS=rows_per_program,
         BLOCK_H=block_h,
         num_warps=warps,
     )
-    return (y, s, rstd, *extra)
+
+
+def rmsnorm_fp8_triton(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    mode: int,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    q_t: torch.Tensor | None = None,
+    scale_t: torch.Tensor | None = None,
+    group: int = 0,
+) -> torch.Tensor:
+    """RMSNorm of 2-D ``x`` (rows, H) written only as FP8: ``q`` (rows, H) quantized along H and, when
+    ``q_t`` is given, ``q_t`` (H, rows) quantized along the rows; ``mode`` is EMIT_TENSOR, EMIT_ROW or
+    EMIT_BLOCK (1 x ``group``), the scale buffers laid out as ``quantize_fp8_with_trans`` returns them.
+    Returns rstd (fp32 per row). Row and block scaling of ``q`` alone take one pass over ``x``; otherwise
+    a first pass stores rstd and the amaxes, and a second, tiled, pass writes the copies."""
+    n_rows, hidden = x.shape
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0 or hidden == 0:
+        return rstd
+    if q_t is None and mode != EMIT_TENSOR:
+        _fp8_single_pass(x, gamma, eps, zero_centered, mode, q, scale, group, rstd)
+        return rstd
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    row_amax = torch.empty(n_rows if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
+    col_amax = torch.zeros(hidden if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
+    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    stages = 1 + max(
+        0,
+        min(
+            _BWD_STAGES - 1,
+            (max_shared_memory(x.device) - _BWD_SMEM_RESERVE)
+            // (rows_per_program * block_h * x.element_size()),
+        ),
+    )
+    programs = min(triton.cdiv(n_rows, rows_per_program), _STATS_PROGRAMS_PER_SM * num_sms(x.device))
+    _rmsnorm_stats_kernel[(programs,)](
+        x,
+        gamma,
+        rstd,
+        amax,
+        row_amax,
+        col_amax,
+        n_rows,
+        hidden,
+        x.stride(0),
+        eps,
+        ZERO_CENTERED=zero_centered,
+        MODE=mode,
+        ROWS=rows_per_program,
+        BLOCK_H=block_h,
+        NUM_STAGES=stages,
+        num_warps=warps,
+    )
+    tile = emit_tile(group if mode == EMIT_BLOCK else 0)
+    dual = q_t is not None
+    _rmsnorm_emit_kernel[(triton.cdiv(n_rows, tile), triton.cdiv(hidden, tile))](
+        x,
+        gamma,
+        rstd,
+        q,
+        scale,
+        q_t if dual else q,
+        scale_t if dual else scale,
+        amax,
+        row_amax,
+        col_amax,
+        n_rows,
+        hidden,
+        x.stride(0),
+        *_scale_strides(scale),
+        *_scale_strides(scale_t if dual else scale),
+        ZERO_CENTERED=zero_centered,
+        MODE=mode,
+        DUAL=dual,
+        FP8_MAX=torch.finfo(q.dtype).max,
+        GROUP=group if mode == EMIT_BLOCK else tile,
+        N_GROUPS=tile // group if mode == EMIT_BLOCK else 1,
+        TILE=tile,
+        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
+        num_warps=_EMIT_WARPS,
+    )
+    return rstd
+
+
+def _scale_strides(scale: torch.Tensor) -> tuple[int, int]:
+    """(per-row, per-group) strides of a scale tensor: () tensorwise, (rows, 1) or (rows, groups)."""
+    strides = tuple(scale.stride()) + (0, 0)
+    return strides[0], strides[1]
 
 
 def rmsnorm_bwd_triton(

@@ -1,6 +1,7 @@
-"""Quantization kernels: FP8 with per-group scales, MXFP4."""
+"""Quantization kernels: FP8 with per-group scales, the FP8 output stage of fused producers, MXFP4."""
 
 from primus_turbo.triton.quantization.fp4_quant_kernel import quantize_fp4_rows_triton
+from primus_turbo.triton.quantization.fp8_emit import EMIT_BLOCK, EMIT_ROW, EMIT_TENSOR
 from primus_turbo.triton.quantization.fp8_quant_kernel import (
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
@@ -8,6 +9,9 @@ from primus_turbo.triton.quantization.fp8_quant_kernel import (
 )
 
 __all__ = [
+    "EMIT_BLOCK",
+    "EMIT_ROW",
+    "EMIT_TENSOR",
     "quantize_fp4_rows_triton",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",

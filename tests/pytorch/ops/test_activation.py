@@ -15,12 +15,11 @@ from primus_turbo.pytorch.ops import (
     geglu_fp8,
     geglu_with_probs,
     gemm_fp8,
-    quantize_fp8,
     swiglu,
     swiglu_fp8,
     swiglu_with_probs,
 )
-from tests.pytorch.test_utils import DEVICES, get_tolerances
+from tests.pytorch.test_utils import DEVICES, assert_fused_fp8_output, get_tolerances
 
 DEVICE = DEVICES[0]
 ON_GPU = DEVICE == "cuda"
@@ -144,11 +143,14 @@ FUSED_CONFIGS = {
 FUSED_SHAPES = [(6, 2 * 96), (5, 2 * 2880), (3, 2 * 1536), (0, 64)] + ([(4096, 2 * 2048)] if ON_GPU else [])
 
 
+@pytest.mark.parametrize("columnwise", [True, False], ids=["dual", "rows"])
 @pytest.mark.parametrize("with_probs", [False, True], ids=["plain", "probs-mask"])
 @pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
 @pytest.mark.parametrize("config_name", list(FUSED_CONFIGS))
 @pytest.mark.parametrize("name", ["swiglu", "geglu"])
-def test_fused_fp8_output_equals_quantizing_the_unfused_output(name, config_name, shape, with_probs):
+def test_fused_fp8_output_equals_quantizing_the_unfused_output(
+    name, config_name, shape, with_probs, columnwise
+):
     config = FUSED_CONFIGS[config_name]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)
@@ -156,15 +158,18 @@ def test_fused_fp8_output_equals_quantizing_the_unfused_output(name, config_name
     mask = (torch.rand(shape[0], generator=gen) > 0.3).to(DEVICE) if with_probs else None
     fused_op = swiglu_fp8 if name == "swiglu" else geglu_fp8
     plain, moe = OPS[name]
-    fused = fused_op(x, config, probs, mask)
+    fused = fused_op(x, config, probs, mask, columnwise=columnwise)
     out = moe(x, probs, mask) if with_probs else plain(x)
-    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
-    q, scale = quantize_fp8(
-        out, torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
-    )
-    assert torch.equal(fused.hp, out)
-    assert torch.equal(fused.data.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(fused.scale_inv, scale)
+    assert_fused_fp8_output(fused, out, config, columnwise)
+
+
+def test_fused_fp8_nonfinite_values_get_nan_scales():
+    x = torch.randn(6, 2 * 256, device=DEVICE).to(torch.bfloat16)
+    x[2, 300] = float("nan")
+    for name, config in FUSED_CONFIGS.items():
+        fused = swiglu_fp8(x, config)
+        assert_fused_fp8_output(fused, swiglu(x), config, True)
+        assert fused.scale_inv.isnan().any() and fused.scale_inv_t.isnan().any(), name
 
 
 @pytest.mark.parametrize("config_name", list(FUSED_CONFIGS))
@@ -190,8 +195,9 @@ def test_fused_fp8_opcheck_compile_and_bad_input():
     probs = torch.rand(6, device=DEVICE)
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     for granularity, block in ((0, 0), (1, 0), (2, 32)):
-        args = (x, probs, None, impl.SILU, torch.float8_e4m3fn, granularity, block)
-        torch.library.opcheck(impl.gated_act_fp8_fwd_impl, args, test_utils=utils)
+        for columnwise in (True, False):
+            args = (x, probs, None, impl.SILU, torch.float8_e4m3fn, granularity, block, columnwise)
+            torch.library.opcheck(impl.gated_act_fp8_fwd_impl, args, test_utils=utils)
     config = FUSED_CONFIGS["rowwise"]
     w = torch.randn(16, 32, device=DEVICE)
 
@@ -211,6 +217,8 @@ def test_fused_fp8_opcheck_compile_and_bad_input():
         swiglu_fp8(x, mx)
     with pytest.raises(TypeError, match="Float8QuantConfig"):
         geglu_fp8(x, "fp8")
+    with pytest.raises(TypeError, match="columnwise"):
+        swiglu_fp8(x, config, columnwise="yes")
 
 
 def test_strided_probs_and_mask_are_read_with_their_stride():

@@ -9,8 +9,13 @@ import torch
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.normalization import rmsnorm_impl as impl
 from primus_turbo.pytorch.modules import RMSNorm
-from primus_turbo.pytorch.ops import gemm_fp8, quantize_fp8, rmsnorm, rmsnorm_fp8, rmsnorm_residual
-from tests.pytorch.test_utils import DEVICES, get_tolerances
+from primus_turbo.pytorch.ops import (
+    gemm_fp8,
+    rmsnorm,
+    rmsnorm_fp8,
+    rmsnorm_residual,
+)
+from tests.pytorch.test_utils import DEVICES, assert_fused_fp8_output, get_tolerances
 
 DEVICE = DEVICES[0]
 ON_GPU = DEVICE == "cuda"
@@ -164,23 +169,25 @@ FUSED_CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("columnwise", [True, False], ids=["dual", "rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(6, 96), (5, 2880), (0, 64)] + ([(4096, 7168)] if ON_GPU else []), ids=str)
 @pytest.mark.parametrize("name", list(FUSED_CONFIGS))
-def test_rmsnorm_fp8_equals_quantizing_the_unfused_output(name, shape, dtype):
+def test_rmsnorm_fp8_equals_quantizing_the_unfused_output(name, shape, dtype, columnwise):
     config = FUSED_CONFIGS[name]
     x, gamma, _ = _tensors(shape, dtype)
-    fused = rmsnorm_fp8(x, gamma, config)
-    y = rmsnorm(x, gamma)
-    axis = None if config.granularity is ScalingGranularity.TENSORWISE else 1
-    q, scale = quantize_fp8(
-        fused.hp.detach(), torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
-    )
-    # the fused kernel may sum the row in another order than the unfused one (last-bit differences);
-    # its FP8 output is exactly the quantization of its own high-precision output
-    torch.testing.assert_close(fused.hp, y, **get_tolerances(dtype))
-    assert torch.equal(fused.data.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(fused.scale_inv, scale)
+    fused = rmsnorm_fp8(x, gamma, config, columnwise=columnwise)
+    assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, columnwise)
+
+
+def test_rmsnorm_fp8_nonfinite_rows_get_nan_scales():
+    x, gamma, _ = _tensors((6, 256), torch.bfloat16)
+    x = x.detach().clone()
+    x[2, 5] = float("inf")
+    for name, config in FUSED_CONFIGS.items():
+        fused = rmsnorm_fp8(x, gamma, config)
+        assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, True)
+        assert fused.scale_inv.isnan().any(), name
 
 
 @pytest.mark.parametrize("name", list(FUSED_CONFIGS))
@@ -200,13 +207,27 @@ def test_rmsnorm_fp8_feeds_gemm_fp8_like_the_unfused_pair(name):
         assert torch.equal(fused_value, unfused_value)
 
 
+def test_rmsnorm_fp8_rows_only_serves_a_frozen_weight():
+    config = FUSED_CONFIGS["rowwise"]
+    x, gamma, _ = _tensors((64, 128), torch.bfloat16)
+    w = (torch.randn(96, 128, device=DEVICE) * 0.1).to(torch.bfloat16)
+    grad = torch.randn(64, 96, device=DEVICE).to(torch.bfloat16)
+    results = []
+    for a in (rmsnorm_fp8(x, gamma, config, columnwise=False), rmsnorm(x, gamma)):
+        out = gemm_fp8(a, w, trans_b=True, config=config)
+        results.append((out, *torch.autograd.grad(out, (x, gamma), grad)))
+    for fused_value, unfused_value in zip(*results, strict=True):
+        assert torch.equal(fused_value, unfused_value)
+
+
 def test_rmsnorm_fp8_opcheck_and_bad_input():
     x = torch.randn(6, 96, device=DEVICE)
     gamma = torch.rand(96, device=DEVICE) + 0.5
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     for granularity, block in ((0, 0), (1, 0), (2, 32)):
-        args = (x, gamma, 1e-6, False, torch.float8_e4m3fn, granularity, block)
-        torch.library.opcheck(impl.rmsnorm_fp8_fwd_impl, args, test_utils=utils)
+        for columnwise in (True, False):
+            args = (x, gamma, 1e-6, False, torch.float8_e4m3fn, granularity, block, columnwise)
+            torch.library.opcheck(impl.rmsnorm_fp8_fwd_impl, args, test_utils=utils)
     mx = Float8QuantConfig(
         granularity=ScalingGranularity.MX_BLOCKWISE, block_size=32, scale_dtype=ScaleDtype.E8M0
     )
@@ -214,6 +235,8 @@ def test_rmsnorm_fp8_opcheck_and_bad_input():
         rmsnorm_fp8(x, gamma, mx)
     with pytest.raises(ValueError, match="2-D"):
         rmsnorm_fp8(x[None], gamma, FUSED_CONFIGS["rowwise"])
+    with pytest.raises(TypeError, match="columnwise"):
+        rmsnorm_fp8(x, gamma, FUSED_CONFIGS["rowwise"], columnwise=1)
 
 
 def test_rmsnorm_fp8_into_gemm_fp8_compiles_without_graph_breaks():

@@ -12,15 +12,19 @@ import math
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
-from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
-    finish_tensorwise_fp8,
+    EMIT_MODES,
+    fp8_producer_empty,
+    fp8_producer_reference,
     fp8_triton_usable,
-    quantize_fp8_reference,
-    scale_inv_shape,
 )
-from primus_turbo.triton.activation import GELU_TANH, SILU, gated_act_bwd_triton, gated_act_fwd_triton
-from primus_turbo.triton.activation.gated_act_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
+from primus_turbo.triton.activation import (
+    GELU_TANH,
+    SILU,
+    gated_act_bwd_triton,
+    gated_act_fp8_triton,
+    gated_act_fwd_triton,
+)
 from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
@@ -64,7 +68,7 @@ def gated_act_fwd_impl(
 ) -> torch.Tensor:
     """``act(x[:, :H]) * x[:, H:] (* probs)`` as a (rows, H) tensor of x's dtype."""
     if _use_triton(x):
-        return gated_act_fwd_triton(x, probs, row_mask, act)[0]
+        return gated_act_fwd_triton(x, probs, row_mask, act)
     return gated_act_reference(x, probs, row_mask, act).to(x.dtype)
 
 
@@ -94,13 +98,6 @@ def _gated_act_bwd_fake(dy, x, probs, row_mask, act):
     return x.new_empty(x.shape), x.new_empty(x.shape[0] if probs is not None else 0, dtype=torch.float32)
 
 
-_QUANT_MODES = {
-    ScalingGranularity.TENSORWISE.value: QUANT_TENSOR_AMAX,
-    ScalingGranularity.ROWWISE.value: QUANT_ROW,
-    ScalingGranularity.BLOCKWISE.value: QUANT_BLOCKS,
-}
-
-
 @custom_op("primus_turbo::gated_act_fp8_fwd", mutates_args=())
 def gated_act_fp8_fwd_impl(
     x: torch.Tensor,
@@ -110,23 +107,25 @@ def gated_act_fp8_fwd_impl(
     fp8_dtype: torch.dtype,
     granularity: int,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, q, scale_inv)``: the gated activation and ``quantize_fp8(out)`` along H (tensorwise, per
-    row or 1 x ``block_size`` blocks), bit for bit, from the same kernel."""
-    if not fp8_triton_usable(x, fp8_dtype):
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv, q_t, scale_inv_t)``: the gated activation written only as FP8, equal bit for bit to
+    ``quantize_fp8_with_trans`` of the unfused output (tensorwise, per row or 1 x ``block_size``
+    blocks); without ``columnwise``, ``q_t`` and ``scale_inv_t`` are empty and ``q``/``scale_inv`` are
+    ``quantize_fp8`` along H."""
+    if not fp8_triton_usable(x, fp8_dtype) or x.numel() == 0:
         out = gated_act_reference(x, probs, row_mask, act).to(x.dtype)
-        return (out, *quantize_fp8_reference(out, fp8_dtype, granularity, block_size, 1, False))
-    mode = _QUANT_MODES[granularity]
-    out, q, scales = gated_act_fwd_triton(x, probs, row_mask, act, mode, fp8_dtype, block_size)
-    if mode != QUANT_TENSOR_AMAX:
-        return out, q, scales
-    return (out, *finish_tensorwise_fp8(out, scales, fp8_dtype))
+        return fp8_producer_reference(out, fp8_dtype, granularity, block_size, columnwise)
+    shape = torch.Size((x.shape[0], x.shape[1] // 2))
+    q, scale, q_t, scale_t = fp8_producer_empty(
+        shape, fp8_dtype, granularity, block_size, columnwise, x.device
+    )
+    column = (q_t, scale_t) if columnwise else (None, None)
+    gated_act_fp8_triton(x, probs, row_mask, act, EMIT_MODES[granularity], q, scale, *column, block_size)
+    return q, scale, q_t, scale_t
 
 
 @gated_act_fp8_fwd_impl.register_fake
-def _gated_act_fp8_fwd_fake(x, probs, row_mask, act, fp8_dtype, granularity, block_size):
-    shape = (x.shape[0], x.shape[1] // 2)
-    scale = x.new_empty(
-        scale_inv_shape(torch.Size(shape), granularity, block_size, 1, False), dtype=torch.float32
-    )
-    return x.new_empty(shape), x.new_empty(shape, dtype=fp8_dtype), scale
+def _gated_act_fp8_fwd_fake(x, probs, row_mask, act, fp8_dtype, granularity, block_size, columnwise):
+    shape = torch.Size((x.shape[0], x.shape[1] // 2))
+    return fp8_producer_empty(shape, fp8_dtype, granularity, block_size, columnwise, x.device)

@@ -7,15 +7,13 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
-from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
-    finish_tensorwise_fp8,
+    EMIT_MODES,
+    fp8_producer_empty,
+    fp8_producer_reference,
     fp8_triton_usable,
-    quantize_fp8_reference,
-    scale_inv_shape,
 )
-from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fwd_triton
-from primus_turbo.triton.normalization.rmsnorm_kernel import QUANT_BLOCKS, QUANT_ROW, QUANT_TENSOR_AMAX
+from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fp8_triton, rmsnorm_fwd_triton
 from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
@@ -123,13 +121,6 @@ def _rmsnorm_bwd_fake(dy, s, gamma, rstd, zero_centered, ds=None):
     return torch.empty(s.shape, dtype=s.dtype, device=s.device), s.new_empty(s.shape[1], dtype=torch.float32)
 
 
-_QUANT_MODES = {
-    ScalingGranularity.TENSORWISE.value: QUANT_TENSOR_AMAX,
-    ScalingGranularity.ROWWISE.value: QUANT_ROW,
-    ScalingGranularity.BLOCKWISE.value: QUANT_BLOCKS,
-}
-
-
 @custom_op("primus_turbo::rmsnorm_fp8_fwd", mutates_args=())
 def rmsnorm_fp8_fwd_impl(
     x: torch.Tensor,
@@ -139,25 +130,26 @@ def rmsnorm_fp8_fwd_impl(
     fp8_dtype: torch.dtype,
     granularity: int,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, rstd, q, scale_inv)``: RMSNorm of 2-D ``x`` and ``quantize_fp8(y)`` along the hidden
-    dimension (tensorwise, per row, or 1 x ``block_size`` blocks), bit for bit, from the same pass."""
-    if not fp8_triton_usable(x, fp8_dtype):
+    columnwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rstd, q, scale_inv, q_t, scale_inv_t)``: RMSNorm of 2-D ``x`` written only as FP8, equal bit for
+    bit to ``quantize_fp8_with_trans`` of the unfused output (tensorwise, per row, or 1 x ``block_size``
+    blocks); without ``columnwise``, ``q_t`` and ``scale_inv_t`` are empty and ``q``/``scale_inv`` are
+    ``quantize_fp8`` along the hidden dimension."""
+    if not fp8_triton_usable(x, fp8_dtype) or x.numel() == 0:
         y, _, rstd = rmsnorm_fwd_reference(x, gamma, eps, zero_centered)
-        q, scale = quantize_fp8_reference(y, fp8_dtype, granularity, block_size, 1, False)
-        return y, rstd, q, scale
-    mode = _QUANT_MODES[granularity]
-    y, _, rstd, q, scales = rmsnorm_fwd_triton(
-        x, gamma, eps, zero_centered, None, mode, fp8_dtype, block_size
+        return (rstd, *fp8_producer_reference(y, fp8_dtype, granularity, block_size, columnwise))
+    q, scale, q_t, scale_t = fp8_producer_empty(
+        x.shape, fp8_dtype, granularity, block_size, columnwise, x.device
     )
-    if mode != QUANT_TENSOR_AMAX:
-        return y, rstd, q, scales
-    return (y, rstd, *finish_tensorwise_fp8(y, scales, fp8_dtype))
+    column = (q_t, scale_t) if columnwise else (None, None)
+    rstd = rmsnorm_fp8_triton(
+        x, gamma, eps, zero_centered, EMIT_MODES[granularity], q, scale, *column, block_size
+    )
+    return rstd, q, scale, q_t, scale_t
 
 
 @rmsnorm_fp8_fwd_impl.register_fake
-def _rmsnorm_fp8_fwd_fake(x, gamma, eps, zero_centered, fp8_dtype, granularity, block_size):
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    scale = x.new_empty(scale_inv_shape(x.shape, granularity, block_size, 1, False), dtype=torch.float32)
-    rstd = x.new_empty(x.shape[0], dtype=torch.float32)
-    return y, rstd, torch.empty(x.shape, dtype=fp8_dtype, device=x.device), scale
+def _rmsnorm_fp8_fwd_fake(x, gamma, eps, zero_centered, fp8_dtype, granularity, block_size, columnwise):
+    outputs = fp8_producer_empty(x.shape, fp8_dtype, granularity, block_size, columnwise, x.device)
+    return (x.new_empty(x.shape[0], dtype=torch.float32), *outputs)

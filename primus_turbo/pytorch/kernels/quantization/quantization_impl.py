@@ -16,6 +16,9 @@ import torch
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.triton.quantization import (
+    EMIT_BLOCK,
+    EMIT_ROW,
+    EMIT_TENSOR,
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
     tensorwise_cast_fp8_triton,
@@ -36,9 +39,12 @@ __all__ = [
     "quantize_fp8_with_trans_impl",
     "quantize_fp8_with_trans_reference",
     "scale_inv_shape",
-    "finish_tensorwise_fp8",
     "tensorwise_multipliers",
     "to_block_major",
+    "with_trans_empty",
+    "EMIT_MODES",
+    "fp8_producer_empty",
+    "fp8_producer_reference",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -110,19 +116,6 @@ def e8m0_scales_from_amax(amax: torch.Tensor, emax: int) -> tuple[torch.Tensor, 
 def tensorwise_multipliers(amax: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(multiplier for x, scale_inv) of any amax tensor under the rules of ``quantize_fp8``."""
     return _scales_from_amax(amax, fp8_dtype, mx=False)
-
-
-def finish_tensorwise_fp8(
-    y: torch.Tensor, row_amax: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale_inv)`` of a contiguous ``y`` from the per-row amax a fused producer wrote (NaN for
-    rows holding NaN/inf): the tensorwise rules of ``quantize_fp8``, with one cast pass over ``y``."""
-    q = torch.empty(y.shape, dtype=fp8_dtype, device=y.device)
-    if y.numel() == 0:
-        return q, torch.ones((), dtype=torch.float32, device=y.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=y.device)
-    tensorwise_cast_fp8_triton(y, q, row_amax.amax(), scale_inv)
-    return q, scale_inv
 
 
 def _scales_from_amax(
@@ -320,20 +313,56 @@ def quantize_fp8_with_trans_impl(
     return _with_trans(x, out_dtype, granularity, block_size, block_2d, fp8_triton_usable(x, out_dtype))
 
 
-@quantize_fp8_with_trans_impl.register_fake
-def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2d):
-    m, k = x.shape
+def with_trans_empty(
+    m: int, k: int, out_dtype: torch.dtype, granularity: int, block_size: int, block_2d: bool, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(q, scale_inv, q_t, scale_inv_t)`` shaped and laid out as ``quantize_fp8_with_trans``
+    returns them for an (m, k) input; the first two are also ``quantize_fp8``'s along axis 1."""
     dtype = _scale_dtype(granularity)
-    row_scale = scale_inv_shape(x.shape, granularity, block_size, 1, block_2d)
+    row_scale = scale_inv_shape(torch.Size((m, k)), granularity, block_size, 1, block_2d)
     col_scale = scale_inv_shape(torch.Size((k, m)), granularity, block_size, 1, block_2d)
-    if _one_d_blocks(_groups(x.shape, granularity, block_size, 1, block_2d)):
+    if _one_d_blocks(_groups(torch.Size((m, k)), granularity, block_size, 1, block_2d)):
         scales = (
-            _block_major_empty(*row_scale, dtype, x.device),
-            _block_major_empty(*col_scale, dtype, x.device),
+            _block_major_empty(*row_scale, dtype, device),
+            _block_major_empty(*col_scale, dtype, device),
         )
     else:
-        scales = (x.new_empty(row_scale, dtype=dtype), x.new_empty(col_scale, dtype=dtype))
-    return x.new_empty((m, k), dtype=out_dtype), scales[0], x.new_empty((k, m), dtype=out_dtype), scales[1]
+        scales = (
+            torch.empty(row_scale, dtype=dtype, device=device),
+            torch.empty(col_scale, dtype=dtype, device=device),
+        )
+    q = torch.empty((m, k), dtype=out_dtype, device=device)
+    return q, scales[0], torch.empty((k, m), dtype=out_dtype, device=device), scales[1]
+
+
+@quantize_fp8_with_trans_impl.register_fake
+def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2d):
+    return with_trans_empty(*x.shape, out_dtype, granularity, block_size, block_2d, x.device)
+
+
+EMIT_MODES = {_TENSORWISE: EMIT_TENSOR, _ROWWISE: EMIT_ROW, _BLOCKWISE: EMIT_BLOCK}
+
+
+def fp8_producer_empty(
+    shape: torch.Size, fp8_dtype: torch.dtype, granularity: int, block_size: int, columnwise: bool, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(q, scale_inv, q_t, scale_inv_t)`` of a fused FP8 producer with a (rows, H) output, laid
+    out as ``quantize_fp8_with_trans`` returns them; without ``columnwise`` the last two are empty."""
+    q, scale, q_t, scale_t = with_trans_empty(*shape, fp8_dtype, granularity, block_size, False, device)
+    if not columnwise:
+        q_t, scale_t = q_t.new_empty(0), scale_t.new_empty(0)
+    return q, scale, q_t, scale_t
+
+
+def fp8_producer_reference(
+    y: torch.Tensor, fp8_dtype: torch.dtype, granularity: int, block_size: int, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The TORCH path of a fused FP8 producer: its output ``y`` quantized, laid out as
+    ``fp8_producer_empty``."""
+    if columnwise:
+        return _with_trans(y, fp8_dtype, granularity, block_size, False, triton_path=False)
+    q, scale = _quantize(y, fp8_dtype, granularity, block_size, 1, False, triton_path=False)
+    return q, scale, q.new_empty(0), scale.new_empty(0)
 
 
 def expand_scale(
