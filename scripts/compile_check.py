@@ -300,37 +300,40 @@ def main(argv: list[str] | None = None) -> int:
             attempt(f"grouped {mode}{kernel.base_fn.__name__} {_label(config)}", launch)
         kernel.configs = all_configs
     x, gamma = torch.empty(64, 7168, dtype=bf16), torch.empty(7168, dtype=bf16)
-    for quant in (0, 1, 2, 3):
-        attempt(
-            f"rmsnorm forward quant={quant}",
-            lambda quant=quant: norm.rmsnorm_fwd_triton(
-                x, gamma, 1e-6, False, None, quant, e4m3 if quant else None, 128 if quant == 2 else 0
-            ),
-        )
-    attempt("rmsnorm backward", lambda: norm.rmsnorm_bwd_triton(x, x, gamma, torch.empty(64), False))
-    attempt(
-        "rmsnorm backward with the residual's gradient",
-        lambda: norm.rmsnorm_bwd_triton(x, x, gamma, torch.empty(64), False, x),
-    )
-    wide, wide_gamma = torch.empty(64, 16384, dtype=bf16), torch.empty(16384, dtype=bf16)
-    attempt(
-        "rmsnorm backward H=16384",
-        lambda: norm.rmsnorm_bwd_triton(wide, wide, wide_gamma, torch.empty(64), False),
-    )
+    attempt("rmsnorm forward", lambda: norm.rmsnorm_fwd_triton(x, gamma, 1e-6, False))
     fc1 = torch.empty(64, 2 * 2048, dtype=bf16)
-    for quant in (0, 1, 2, 3):
-        attempt(
-            f"gated forward quant={quant}",
-            lambda quant=quant: act.gated_act_fwd_triton(
-                fc1,
-                torch.empty(64),
-                torch.empty(64, dtype=torch.bool),
-                0,
-                quant,
-                e4m3 if quant else None,
-                128 if quant == 2 else 0,
-            ),
-        )
+
+    def fp8_buffers(rows: int, hidden: int, mode: int, dual: bool):
+        q, q_t = torch.empty(rows, hidden, dtype=e4m3), torch.empty(hidden, rows, dtype=e4m3)
+        shapes = {0: ((), ()), 1: ((rows, 1), (hidden, 1)), 2: ((rows, hidden // 128), (hidden, rows // 128))}
+        scale, scale_t = (torch.empty(shape) for shape in shapes[mode])
+        return (q, scale, q_t, scale_t) if dual else (q, scale, None, None)
+
+    for mode in (0, 1, 2):
+        for dual in (True, False):
+            group = 128 if mode == 2 else 0
+            attempt(
+                f"rmsnorm fp8 mode={mode} dual={dual}",
+                lambda mode=mode, dual=dual, group=group: norm.rmsnorm_fp8_triton(
+                    x, gamma, 1e-6, False, mode, *fp8_buffers(64, 7168, mode, dual), group
+                ),
+            )
+            attempt(
+                f"gated fp8 mode={mode} dual={dual}",
+                lambda mode=mode, dual=dual, group=group: act.gated_act_fp8_triton(
+                    fc1,
+                    torch.empty(64),
+                    torch.empty(64, dtype=torch.bool),
+                    0,
+                    mode,
+                    *fp8_buffers(64, 2048, mode, dual),
+                    group,
+                ),
+            )
+    attempt(
+        "gated forward",
+        lambda: act.gated_act_fwd_triton(fc1, torch.empty(64), torch.empty(64, dtype=torch.bool), 0),
+    )
     attempt(
         "gated backward",
         lambda: act.gated_act_bwd_triton(torch.empty(64, 2048, dtype=bf16), fc1, torch.empty(64), None, 1),

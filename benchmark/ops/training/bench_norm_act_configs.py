@@ -100,8 +100,8 @@ def _gated_rows(tokens: int, width: int, device: str, graph: bool) -> list[dict]
         sets = _sets(make, fwd_bytes, graph)
         x, dy, p = sets[0]
         forward = functools.partial(gated_act_fwd_triton, act=SILU)
-        ref = forward(x, p, None)[0]
-        same = [torch.equal(forward(x, p, None, launch=c)[0], ref) for c in GATED_FWD_CANDIDATES]
+        ref = forward(x, p, None)
+        same = [torch.equal(forward(x, p, None, launch=c), ref) for c in GATED_FWD_CANDIDATES]
         calls = [
             cycling([functools.partial(forward, x, p, None, launch=c) for x, _, p in sets])
             for c in GATED_FWD_CANDIDATES

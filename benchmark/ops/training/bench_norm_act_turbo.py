@@ -3,8 +3,9 @@
 Per op and shape: forward and backward time, the bandwidth they reach over the minimum bytes each pass
 must move, that bandwidth as a fraction of the device copy bandwidth measured in the same run, and the
 ratio to the compiled composite. ``--fused-fp8`` instead times the fused FP8 producers (``rmsnorm_fp8``,
-``swiglu_fp8`` per granularity) against the Turbo op followed by ``quantize_fp8`` and against
-``torch.compile`` of norm/activation + quantization. See ``benchmark/README.md``.
+``swiglu_fp8`` per granularity, writing both ``gemm_fp8`` operand copies or the forward one alone)
+against the Turbo op followed by ``quantize_fp8_with_trans`` / ``quantize_fp8`` and against
+``torch.compile`` of norm/activation + the same quantization. See ``benchmark/README.md``.
 
 Example::
 
@@ -186,16 +187,23 @@ def _quantize_composite(y: torch.Tensor, name: str) -> tuple[torch.Tensor, torch
     """Plain-torch FP8 quantization along the last dimension, for ``torch.compile`` to fuse."""
     y32 = y.float()
     if name == "blockwise":
-        y32 = y32.view(y.shape[0], -1, 128)
+        y32 = y32.reshape(y.shape[0], -1, 128)
     amax = y32.abs().amax() if name == "tensorwise" else y32.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, 448.0 / amax, 1.0)
     q = (y32 * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(y.shape), 1.0 / scale
 
 
-def _fused_callables(base: str, sets: list[tuple[torch.Tensor, ...]], name: str) -> list[Callable]:
-    """[fused producer, Turbo op + quantize_fp8, compiled composite] for one granularity, each cycling
-    over the input ``sets``."""
+def _both_copies_composite(y: torch.Tensor, name: str) -> tuple[torch.Tensor, ...]:
+    """Plain-torch quantization along the last dimension and, transposed, along the first."""
+    return (*_quantize_composite(y, name), *_quantize_composite(y.t(), name))
+
+
+def _fused_callables(
+    base: str, sets: list[tuple[torch.Tensor, ...]], name: str, columnwise: bool
+) -> list[Callable]:
+    """[fused producer, Turbo op + quantize_fp8(_with_trans), compiled composite] for one granularity and
+    one set of copies (both gemm_fp8 operand copies, or the forward one), each cycling over ``sets``."""
     from primus_turbo.pytorch import ops
 
     config = _fp8_config(name)
@@ -203,40 +211,52 @@ def _fused_callables(base: str, sets: list[tuple[torch.Tensor, ...]], name: str)
     reference = _rmsnorm_ref if base == "rmsnorm" else _swiglu_ref
     op = ops.rmsnorm if base == "rmsnorm" else ops.swiglu
     producer = ops.rmsnorm_fp8 if base == "rmsnorm" else ops.swiglu_fp8
+    e4m3, block = torch.float8_e4m3fn, config.block_size
 
-    def unfused(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.quantize_fp8(
-            op(*tensors), torch.float8_e4m3fn, config.granularity, block_size=config.block_size, axis=axis
-        )
+    def unfused(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = op(*tensors)
+        if columnwise:
+            return ops.quantize_fp8_with_trans(y, e4m3, config.granularity, block_size=block)
+        return ops.quantize_fp8(y, e4m3, config.granularity, block_size=block, axis=axis)
 
-    composite = torch.compile(lambda *tensors: _quantize_composite(reference(*tensors), name))
+    quantize = _both_copies_composite if columnwise else _quantize_composite
+    composite = torch.compile(lambda *tensors: quantize(reference(*tensors), name))
 
-    def fused(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return producer(*tensors, config)
+    def fused(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return producer(*tensors, config, columnwise=columnwise).data
 
     sides = (fused, unfused, composite)
     return [cycling([functools.partial(fn, *tensors) for tensors in sets]) for fn in sides]
 
 
 def fused_rows(case: Case, args: argparse.Namespace, graph: bool) -> list[dict]:
-    """Forward time of each fused FP8 producer against its unfused and compiled peers."""
+    """Forward time of each fused FP8 producer against its unfused and compiled peers, writing both
+    gemm_fp8 operand copies ("both") and the forward copy alone ("rows")."""
     base = "rmsnorm" if case.op == "rmsnorm" else "swiglu"
     first, fwd_bytes, _ = inputs(case, args.device)
     sets = [first] + [inputs(case, args.device)[0] for _ in range(rotation_sets(fwd_bytes, graph) - 1)]
     sets = [tuple(t.detach() for t in tensors) for tensors in sets]
+    input_bytes = sum(t.numel() * t.element_size() for t in first)
     rows = []
     for name in FUSED_GRANULARITIES:
         if name == "blockwise" and case.hidden % 128:
             continue
-        with timing_stream(graph), torch.no_grad():
-            times = time_interleaved(_fused_callables(base, sets, name), None, args.device, graph)
-        ms = dict(zip(("fused", "unfused", "compiled"), times, strict=True))
-        row = {"Model": case.model, "Op": f"{base}_fp8", "Granularity": name, "Tokens": case.tokens}
-        row.update({"Hidden": case.hidden, "Fused ms": ms["fused"], "Unfused ms": ms["unfused"]})
-        row.update({"Compiled ms": ms["compiled"], "vs unfused": ms["unfused"] / ms["fused"]})
-        row.update({"vs compiled": ms["compiled"] / ms["fused"]})
-        rows.append(row)
-        LOG.info("%s", row)
+        for columnwise in (True, False):
+            with timing_stream(graph), torch.no_grad():
+                callables = _fused_callables(base, sets, name, columnwise)
+                times = time_interleaved(callables, None, args.device, graph)
+            ms = dict(zip(("fused", "unfused", "compiled"), times, strict=True))
+            row = {"Model": case.model, "Op": f"{base}_fp8", "Granularity": name}
+            row.update({"Copies": "both" if columnwise else "rows", "Tokens": case.tokens})
+            row.update({"Hidden": case.hidden, "Fused ms": ms["fused"], "Unfused ms": ms["unfused"]})
+            row.update({"Compiled ms": ms["compiled"], "vs unfused": ms["unfused"] / ms["fused"]})
+            row.update({"vs compiled": ms["compiled"] / ms["fused"]})
+            nbytes = input_bytes + case.tokens * case.hidden * (2 if columnwise else 1)
+            row["Fused GB/s"] = nbytes / ms["fused"] / 1e6
+            if args.device == "cuda":
+                row["Fused of same-size copy"] = copy_ms(nbytes, args.device, graph) / ms["fused"]
+            rows.append(row)
+            LOG.info("%s", row)
     return rows
 
 
@@ -268,8 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         for case in cases(args.shapes):
             if case.op in ("rmsnorm", "swiglu"):
                 rows += fused_rows(case, args, graph)
-        columns = ["Model", "Op", "Granularity", "Tokens", "Hidden", "vs unfused", "vs compiled"]
-        print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
+        columns = ["Model", "Op", "Granularity", "Copies", "Tokens", "Hidden", "Fused GB/s"]
+        columns += ["Fused of same-size copy", "vs unfused", "vs compiled"]
+        print(tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, floatfmt=".2f"))
         if rows:
             write_csv(args.output, rows)
         return

@@ -271,7 +271,7 @@ def _launch_shape(hidden: int, elements: int) -> tuple[int, int, int]:
 
 
 _FWD_ELEMENTS, _BWD_ELEMENTS = 4096, 2048
-_EMIT_WARPS = 8
+_EMIT_WARPS = 16
 
 
 def _fwd_launch(x, probs, row_mask, out, q, scale, act, quant, group, launch) -> None:

@@ -40,7 +40,7 @@ _BWD_STAGES = 3
 _BWD_SMEM_RESERVE = 16 * 1024  # the row reductions' scratch
 # The FP8 producer's first pass reads x once, pipelined like the backward; the second runs tiles.
 _STATS_PROGRAMS_PER_SM = 1
-_EMIT_WARPS = 8
+_EMIT_WARPS = 16
 
 
 def _launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
@@ -201,8 +201,9 @@ def _rmsnorm_stats_kernel(
 ):
     """First pass of the FP8 producer: each program walks row blocks pid, pid + programs, ... and stores
     rstd (the forward kernel's sums, same layout, so the same bits), and for the scales the output
-    needs, the amax of y as stored: per row (EMIT_ROW, written directly), per column and per tensor
-    (kept in registers, one atomic per program at the end)."""
+    needs (MODE as ``emit_fp8_tile``: 0 tensor, 1 row, 2 block), the amax of y as stored: per row
+    (written directly), per column and per tensor (kept in registers, one atomic per program at the
+    end)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -219,16 +220,16 @@ def _rmsnorm_stats_kernel(
         s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / H + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
-        if MODE != EMIT_BLOCK:
+        if MODE != 2:
             mag = tl.abs((s * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32))
-            if MODE == EMIT_ROW:
+            if MODE == 1:
                 tl.store(row_amax_ptr + rows, amax_bits(mag, 1), mask=row_ok)
                 col_max = _nan_max(col_max, tl.reduce(mag, 0, _nan_max))
             else:
                 row_max = _nan_max(row_max, tl.reduce(mag, 1, _nan_max))
-    if MODE == EMIT_ROW:
+    if MODE == 1:
         tl.atomic_max(col_amax_ptr + cols, col_max.to(tl.int32, bitcast=True), mask=col_ok)
-    elif MODE == EMIT_TENSOR:
+    elif MODE == 0:
         tl.atomic_max(amax_ptr, amax_bits(row_max, 0))
 
 
