@@ -18,7 +18,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
     EMIT_ROW,
     EMIT_TENSOR,
     emit_fp8_tile,
-    emit_tile,
+    emit_launch,
     record_tile_amax,
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
@@ -56,12 +56,11 @@ def _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS: tl.constexpr, HAS_M
 
 
 @triton.jit
-def _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """One chunk of the output, rounded to the output dtype (what quantization must read)."""
-    load = live[:, None] & (cols < H)[None, :]
-    base = x_ptr + rows[:, None] * stride_x + cols[None, :]
-    a = tl.load(base, mask=load, other=0.0).to(tl.float32)
-    b = tl.load(base + H, mask=load, other=0.0).to(tl.float32)
+def _gated_out(a_ptrs, load, p, H, ACT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One chunk of the output from the pointers to its gate half (the linear half is H further),
+    rounded to the output dtype (what quantization must read)."""
+    a = tl.load(a_ptrs, mask=load, other=0.0).to(tl.float32)
+    b = tl.load(a_ptrs + H, mask=load, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(a, ACT)
     return (act * b * p[:, None]).to(OUT_DTYPE)
 
@@ -93,6 +92,7 @@ def _gated_fwd_kernel(
     HAS_MASK: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     QUANT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
     GROUP: tl.constexpr,
@@ -100,8 +100,9 @@ def _gated_fwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """QUANT: 0 none; 1 FP8 per row (a first sweep finds the row amax); 2 FP8 per 1 x GROUP block.
-    Quantization reads the output as stored; WRITE_OUT False stores only the FP8 copy."""
+    """QUANT: 0 none; 1 FP8 per row (a first sweep finds the row amax, kept in registers when the row
+    is ONE_CHUNK); 2 FP8 per 1 x GROUP block. Quantization reads the output as stored; WRITE_OUT False
+    stores only the FP8 copy."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
     in_range = rows < n_rows
@@ -109,14 +110,19 @@ def _gated_fwd_kernel(
     if QUANT == 1:
         amax = tl.zeros([ROWS], dtype=tl.float32)
         bad = tl.zeros([ROWS], dtype=tl.int32)
-        for c0 in range(0, H, BLOCK_H):
-            cols = c0 + tl.arange(0, BLOCK_H)
-            chunk_amax, chunk_bad = _nonfinite_amax(
-                _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, x_ptr.dtype.element_ty).to(
-                    tl.float32
-                ),
-                1,
+        if ONE_CHUNK:
+            cols = tl.arange(0, BLOCK_H)
+            a_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+            whole_row = _gated_out(
+                a_ptrs, live[:, None] & (cols < H)[None, :], p, H, ACT, x_ptr.dtype.element_ty
             )
+            amax, bad = _nonfinite_amax(whole_row.to(tl.float32), 1)
+        for c0 in range(0, H if not ONE_CHUNK else 0, BLOCK_H):
+            cols = c0 + tl.arange(0, BLOCK_H)
+            load = live[:, None] & (cols < H)[None, :]
+            a_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+            chunk = _gated_out(a_ptrs, load, p, H, ACT, x_ptr.dtype.element_ty)
+            chunk_amax, chunk_bad = _nonfinite_amax(chunk.to(tl.float32), 1)
             amax = tl.maximum(amax, chunk_amax)
             bad += chunk_bad
         row_multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
@@ -124,7 +130,11 @@ def _gated_fwd_kernel(
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
         store = in_range[:, None] & (cols < H)[None, :]
-        out = _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, x_ptr.dtype.element_ty)
+        if QUANT == 1 and ONE_CHUNK:
+            out = whole_row
+        else:
+            a_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+            out = _gated_out(a_ptrs, live[:, None] & (cols < H)[None, :], p, H, ACT, x_ptr.dtype.element_ty)
         if WRITE_OUT:
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=store)
         q_ptrs = q_ptr + rows[:, None] * H + cols[None, :]
@@ -178,15 +188,21 @@ def _gated_emit_kernel(
     CAST_SATURATES: tl.constexpr,
 ):
     """One TILE x TILE tile of the output, as stored: with STATS folded into the tensor or row and
-    column amaxes (``record_tile_amax``), else quantized by ``emit_fp8_tile``."""
+    column amaxes (``record_tile_amax``), else quantized by ``emit_fp8_tile``. Addresses are 32-bit
+    offsets from the tile's corner."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE)
-    cols = pid_k * TILE + tl.arange(0, TILE)
+    r = tl.arange(0, TILE)
+    rows = pid_m.to(tl.int64) * TILE + r
+    cols = pid_k * TILE + r
     live, p = _row_state(probs_ptr, mask_ptr, rows, n_rows, HAS_PROBS, HAS_MASK)
-    y = _gated_out(x_ptr, rows, cols, live, p, H, stride_x, ACT, x_ptr.dtype.element_ty).to(tl.float32)
+    a_tile = x_ptr + pid_m.to(tl.int64) * TILE * stride_x + pid_k * TILE
+    load = live[:, None] & (cols < H)[None, :]
+    y = _gated_out(a_tile + r[:, None] * stride_x + r[None, :], load, p, H, ACT, x_ptr.dtype.element_ty)
     if STATS:
-        record_tile_amax(y, rows, cols, rows < n_rows, cols < H, amax_ptr, row_amax_ptr, col_amax_ptr, MODE)
+        record_tile_amax(
+            y.to(tl.float32), rows, cols, rows < n_rows, cols < H, amax_ptr, row_amax_ptr, col_amax_ptr, MODE
+        )
     else:
         emit_fp8_tile(
             y,
@@ -271,7 +287,6 @@ def _launch_shape(hidden: int, elements: int) -> tuple[int, int, int]:
 
 
 _FWD_ELEMENTS, _BWD_ELEMENTS = 4096, 2048
-_EMIT_WARPS = 16
 
 
 def _fwd_launch(x, probs, row_mask, out, q, scale, act, quant, group, launch) -> None:
@@ -296,6 +311,7 @@ def _fwd_launch(x, probs, row_mask, out, q, scale, act, quant, group, launch) ->
         HAS_MASK=row_mask is not None,
         WRITE_OUT=out is not None,
         QUANT=quant,
+        ONE_CHUNK=hidden <= block_h,
         FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
         CAST_SATURATES=fp8_dtype is not None and fp8_cast_saturates(x.device, fp8_dtype),
         GROUP=group,
@@ -355,7 +371,7 @@ def gated_act_fp8_triton(
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     row_amax = torch.zeros(n_rows if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
     col_amax = torch.zeros(hidden if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
-    tile = emit_tile(group if mode == EMIT_BLOCK else 0)
+    tile, warps = emit_launch(group if mode == EMIT_BLOCK else 0)
     passes = (True, False) if mode != EMIT_BLOCK else (False,)
     for stats in passes:
         _gated_emit_kernel[(triton.cdiv(n_rows, tile), triton.cdiv(hidden, tile))](
@@ -385,7 +401,7 @@ def gated_act_fp8_triton(
             N_GROUPS=tile // group if mode == EMIT_BLOCK else 1,
             TILE=tile,
             CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
-            num_warps=_EMIT_WARPS,
+            num_warps=warps,
         )
 
 

@@ -177,7 +177,8 @@ def test_rmsnorm_fp8_equals_quantizing_the_unfused_output(name, shape, dtype, co
     config = FUSED_CONFIGS[name]
     x, gamma, _ = _tensors(shape, dtype)
     fused = rmsnorm_fp8(x, gamma, config, columnwise=columnwise)
-    assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, columnwise)
+    # the fused kernels may sum a row in another order than the unfused one (last-bit differences)
+    assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, columnwise, exact=False)
 
 
 def test_rmsnorm_fp8_nonfinite_rows_get_nan_scales():
@@ -186,7 +187,7 @@ def test_rmsnorm_fp8_nonfinite_rows_get_nan_scales():
     x[2, 5] = float("inf")
     for name, config in FUSED_CONFIGS.items():
         fused = rmsnorm_fp8(x, gamma, config)
-        assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, True)
+        assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, True, exact=False)
         assert fused.scale_inv.isnan().any(), name
 
 
@@ -216,7 +217,10 @@ def test_rmsnorm_fp8_rows_only_serves_a_frozen_weight():
     for a in (rmsnorm_fp8(x, gamma, config, columnwise=False), rmsnorm(x, gamma)):
         out = gemm_fp8(a, w, trans_b=True, config=config)
         results.append((out, *torch.autograd.grad(out, (x, gamma), grad)))
-    for fused_value, unfused_value in zip(*results, strict=True):
+    (out, *grads), (unfused_out, *unfused_grads) = results
+    # the forward operands may differ by an FP8 ulp (row sums); the gradients do not depend on them
+    torch.testing.assert_close(out, unfused_out, **get_tolerances(torch.bfloat16))
+    for fused_value, unfused_value in zip(grads, unfused_grads, strict=True):
         assert torch.equal(fused_value, unfused_value)
 
 
