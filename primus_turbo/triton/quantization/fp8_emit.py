@@ -183,11 +183,13 @@ def emit_fp8_tile(
                 tl.store(st_ptr + cols * stride_stk, stored_t, mask=cols_ok)
             q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         else:
-            # quantized from the transposed output rather than by transposing q: one FP8 value feeding
-            # both a direct and a transposed store lost elements of the latter for fp32 outputs
-            # (Triton 3.6, sm_90)
-            q_t_rows = _saturate(tl.trans(out).to(tl.float32) * multiplier, FP8_MAX, CAST_SATURATES)
-            q_t_rows = q_t_rows.to(qt_ptr.dtype.element_ty)
+            # computed again from a second load of the amax rather than transposing q: with fp32
+            # outputs, one value feeding both a direct and a transposed FP8 store (or the transposed
+            # output itself) came out wrong in the transposed copy (Triton 3.6, sm_90)
+            amax_t, bad_t = _amax_from_bits(tl.load(amax_ptr))
+            multiplier_t, _ = _group_scale(amax_t, bad_t, FP8_MAX, False, 0)
+            q_t = _saturate(y * multiplier_t, FP8_MAX, CAST_SATURATES)
+            q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
         tl.store(qt_tile + r[:, None] * M + r[None, :], q_t_rows, mask=tl.trans(mask))
 
