@@ -20,6 +20,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
     emit_fp8_tile,
     emit_launch,
     record_tile_amax,
+    scale_strides,
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
@@ -305,7 +306,7 @@ def _fwd_launch(x, probs, row_mask, out, q, scale, act, quant, group, launch) ->
         hidden,
         x.stride(0),
         out.stride(0) if out is not None else 0,
-        *_scale_strides(scale),
+        *scale_strides(scale),
         ACT=act,
         HAS_PROBS=probs is not None,
         HAS_MASK=row_mask is not None,
@@ -320,12 +321,6 @@ def _fwd_launch(x, probs, row_mask, out, q, scale, act, quant, group, launch) ->
         BLOCK_H=block_h,
         num_warps=warps,
     )
-
-
-def _scale_strides(scale: torch.Tensor) -> tuple[int, int]:
-    """(per-row, per-group) strides of a scale tensor: () tensorwise, (rows, 1) or (rows, groups)."""
-    strides = tuple(scale.stride()) + (0, 0)
-    return strides[0], strides[1]
 
 
 def gated_act_fwd_triton(
@@ -388,8 +383,8 @@ def gated_act_fp8_triton(
             n_rows,
             hidden,
             x.stride(0),
-            *_scale_strides(scale),
-            *_scale_strides(scale_t if dual else scale),
+            *scale_strides(scale),
+            *scale_strides(scale_t if dual else scale),
             ACT=act,
             HAS_PROBS=probs is not None,
             HAS_MASK=row_mask is not None,

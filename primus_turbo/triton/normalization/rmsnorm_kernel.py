@@ -23,6 +23,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
     amax_bits,
     emit_fp8_tile,
     emit_launch,
+    scale_strides,
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _nan_max, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates, max_shared_memory, num_sms
@@ -377,8 +378,7 @@ def _fp8_single_pass(x, gamma, eps, zero_centered, mode, q, scale, group, rstd) 
         x.stride(0),
         0,
         0,
-        scale.stride(0),
-        scale.stride(1) if scale.dim() == 2 else 0,
+        *scale_strides(scale),
         eps,
         HAS_RESIDUAL=False,
         ZERO_CENTERED=zero_centered,
@@ -465,8 +465,8 @@ def rmsnorm_fp8_triton(
         n_rows,
         hidden,
         x.stride(0),
-        *_scale_strides(scale),
-        *_scale_strides(scale_t if dual else scale),
+        *scale_strides(scale),
+        *scale_strides(scale_t if dual else scale),
         ZERO_CENTERED=zero_centered,
         MODE=mode,
         DUAL=dual,
@@ -478,12 +478,6 @@ def rmsnorm_fp8_triton(
         num_warps=emit_warps,
     )
     return rstd
-
-
-def _scale_strides(scale: torch.Tensor) -> tuple[int, int]:
-    """(per-row, per-group) strides of a scale tensor: () tensorwise, (rows, 1) or (rows, groups)."""
-    strides = tuple(scale.stride()) + (0, 0)
-    return strides[0], strides[1]
 
 
 def rmsnorm_bwd_triton(

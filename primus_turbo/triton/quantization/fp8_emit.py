@@ -37,6 +37,7 @@ __all__ = [
     "emit_fp8_tile",
     "emit_launch",
     "record_tile_amax",
+    "scale_strides",
 ]
 
 EMIT_TENSOR, EMIT_ROW, EMIT_BLOCK = 0, 1, 2
@@ -192,6 +193,12 @@ def emit_fp8_tile(
             q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
         tl.store(qt_tile + r[:, None] * M + r[None, :], q_t_rows, mask=tl.trans(mask))
+
+
+def scale_strides(scale) -> tuple[int, int]:
+    """(per-row, per-group) strides of a scale tensor: () tensorwise, (rows, 1) or (rows, groups)."""
+    strides = tuple(scale.stride()) + (0, 0)
+    return strides[0], strides[1]
 
 
 def emit_launch(group: int) -> tuple[int, int]:
