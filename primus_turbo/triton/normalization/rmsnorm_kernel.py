@@ -45,6 +45,13 @@ _BWD_SMEM_RESERVE = 16 * 1024  # the row reductions' scratch
 _STATS_PROGRAMS_PER_SM = {EMIT_TENSOR: 2, EMIT_ROW: 1, EMIT_BLOCK: 2}
 
 
+def _pipeline_stages(device: torch.device, block_bytes: int) -> int:
+    """Stages of a row-block pipeline: up to _BWD_STAGES, as many blocks of ``block_bytes`` as shared
+    memory holds besides the reductions' scratch, plus the one being computed."""
+    buffers = min(_BWD_STAGES - 1, (max_shared_memory(device) - _BWD_SMEM_RESERVE) // block_bytes)
+    return 1 + max(0, buffers)
+
+
 def _launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
     """(BLOCK_H, ROWS per program, warps): about 8K elements per program."""
     block_h = triton.next_power_of_2(hidden)
@@ -422,14 +429,7 @@ def rmsnorm_fp8_triton(
     row_amax = torch.empty(n_rows if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
     col_amax = torch.zeros(hidden if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
     block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
-    stages = 1 + max(
-        0,
-        min(
-            _BWD_STAGES - 1,
-            (max_shared_memory(x.device) - _BWD_SMEM_RESERVE)
-            // (rows_per_program * block_h * x.element_size()),
-        ),
-    )
+    stages = _pipeline_stages(x.device, rows_per_program * block_h * x.element_size())
     programs = min(triton.cdiv(n_rows, rows_per_program), _STATS_PROGRAMS_PER_SM[mode] * num_sms(x.device))
     _rmsnorm_stats_kernel[(programs,)](
         x,
@@ -503,8 +503,7 @@ def rmsnorm_bwd_triton(
     warps = 8 if block_h * rows_per_program <= _BWD_ELEMENTS_PER_BLOCK else 16
     # the pipeline keeps stages - 1 blocks of dy, s (and ds) in shared memory, less for wide fp32 rows
     block_bytes = rows_per_program * block_h * sum(t.element_size() for t in (dy, s, ds) if t is not None)
-    buffers = min(_BWD_STAGES - 1, (max_shared_memory(s.device) - _BWD_SMEM_RESERVE) // block_bytes)
-    per_sm, stages = _BWD_PROGRAMS_PER_SM, 1 + max(0, buffers)
+    per_sm, stages = _BWD_PROGRAMS_PER_SM, _pipeline_stages(s.device, block_bytes)
     if launch is not None:
         rows_per_program, warps, per_sm, stages = launch
     programs = min(triton.cdiv(n_rows, rows_per_program), per_sm * num_sms(s.device))

@@ -69,11 +69,11 @@ def record_tile_amax(
 
 
 @triton.jit
-def _amax_from_bits(bits):
-    """(amax, 1 where it is NaN or inf) of an amax kept as int32 bits."""
+def _scale_from_bits(bits, FP8_MAX: tl.constexpr):
+    """(multiplier, stored scale_inv) of an amax kept as int32 bits (NaN or inf: a NaN scale)."""
     amax = bits.to(tl.float32, bitcast=True)
     bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
-    return amax, bad
+    return _group_scale(amax, bad, FP8_MAX, False, 0)
 
 
 @triton.jit
@@ -137,14 +137,12 @@ def emit_fp8_tile(
             CAST_SATURATES,
         )
     elif MODE == 1:
-        amax, bad = _amax_from_bits(tl.load(row_amax_ptr + rows, mask=rows_ok, other=0))
-        multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+        multiplier, stored = _scale_from_bits(tl.load(row_amax_ptr + rows, mask=rows_ok, other=0), FP8_MAX)
         q = _saturate(y * multiplier[:, None], FP8_MAX, CAST_SATURATES)
         if pid_k == 0:
             tl.store(s_ptr + rows * stride_sm, stored, mask=rows_ok)
     else:
-        amax, bad = _amax_from_bits(tl.load(amax_ptr))
-        multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+        multiplier, stored = _scale_from_bits(tl.load(amax_ptr), FP8_MAX)
         q = _saturate(y * multiplier, FP8_MAX, CAST_SATURATES)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(s_ptr, stored)
@@ -175,23 +173,20 @@ def emit_fp8_tile(
                 TILE,
                 CAST_SATURATES,
             )
-            q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         elif MODE == 1:
-            amax_t, bad_t = _amax_from_bits(tl.load(col_amax_ptr + cols, mask=cols_ok, other=0))
-            multiplier_t, stored_t = _group_scale(amax_t, bad_t, FP8_MAX, False, 0)
+            col_amax = tl.load(col_amax_ptr + cols, mask=cols_ok, other=0)
+            multiplier_t, stored_t = _scale_from_bits(col_amax, FP8_MAX)
             q_t = _saturate(y * multiplier_t[None, :], FP8_MAX, CAST_SATURATES)
             if pid_m == 0:
                 tl.store(st_ptr + cols * stride_stk, stored_t, mask=cols_ok)
-            q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         else:
             # computed again from a second load of the amax rather than transposing q: with fp32
             # outputs, one value feeding both a direct and a transposed FP8 store (or the transposed
             # output itself) came out wrong in the transposed copy (Triton 3.6, sm_90)
-            amax_t, bad_t = _amax_from_bits(tl.load(amax_ptr))
-            multiplier_t, _ = _group_scale(amax_t, bad_t, FP8_MAX, False, 0)
+            multiplier_t, _ = _scale_from_bits(tl.load(amax_ptr), FP8_MAX)
             q_t = _saturate(y * multiplier_t, FP8_MAX, CAST_SATURATES)
-            q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         qt_tile = qt_ptr + pid_k.to(tl.int64) * TILE * M + pid_m * TILE
+        q_t_rows = tl.trans(q_t.to(qt_ptr.dtype.element_ty))
         tl.store(qt_tile + r[:, None] * M + r[None, :], q_t_rows, mask=tl.trans(mask))
 
 
