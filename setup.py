@@ -10,6 +10,8 @@ EXT_SOURCES = [  # relative to ROOT, which pip makes the working directory
     "csrc/pytorch/bindings.cpp",
     "csrc/pytorch/group_offs_ops.cpp",
     "csrc/kernels/grouped_gemm/group_offs.cu",
+    "csrc/pytorch/fp8_dual_block_ops.cpp",
+    "csrc/kernels/quantization/fp8_dual_block.cu",
 ]
 CUDA_ARCH = re.compile(r"^sm_(\d+[a-z]?)$")  # sm_90, sm_90a, sm_100a, sm_120f ...
 ROCM_ARCH = re.compile(r"^gfx[0-9a-f]+(:[a-z]+[+-])*$")  # gfx942, gfx950, gfx90a:xnack- ...

@@ -28,7 +28,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _nan_max, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates, max_shared_memory, num_sms
 
-__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fp8_triton", "rmsnorm_fwd_triton"]
+__all__ = ["rmsnorm_bwd_triton", "rmsnorm_fp8_triton", "rmsnorm_fwd_triton", "rmsnorm_rstd_triton"]
 
 _ELEMENTS_PER_PROGRAM = 8192
 # The backward's programs (one per SM) walk row blocks of about 8K elements and stream the next blocks'
@@ -401,6 +401,45 @@ def _fp8_single_pass(x, gamma, eps, zero_centered, mode, q, scale, group, rstd) 
     )
 
 
+def _stats_pass(x, gamma, eps, zero_centered, mode, rstd, amax, row_amax, col_amax) -> None:
+    """The FP8 producer's first pass: rstd, and the amaxes ``mode`` needs (none for EMIT_BLOCK)."""
+    n_rows, hidden = x.shape
+    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    stages = _pipeline_stages(x.device, rows_per_program * block_h * x.element_size())
+    programs = min(triton.cdiv(n_rows, rows_per_program), _STATS_PROGRAMS_PER_SM[mode] * num_sms(x.device))
+    _rmsnorm_stats_kernel[(programs,)](
+        x,
+        gamma,
+        rstd,
+        amax,
+        row_amax,
+        col_amax,
+        n_rows,
+        hidden,
+        x.stride(0),
+        eps,
+        ZERO_CENTERED=zero_centered,
+        MODE=mode,
+        ROWS=rows_per_program,
+        BLOCK_H=block_h,
+        NUM_STAGES=stages,
+        num_warps=warps,
+    )
+
+
+def rmsnorm_rstd_triton(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float, zero_centered: bool
+) -> torch.Tensor:
+    """rstd (fp32 per row) of 2-D ``x`` from the same sums as the forward, so the same bits: the first pass of
+    a producer whose tiles are quantized elsewhere."""
+    n_rows = x.shape[0]
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows and x.shape[1]:
+        none = torch.zeros(0, dtype=torch.int32, device=x.device)
+        _stats_pass(x, gamma, eps, zero_centered, EMIT_BLOCK, rstd, none, none, none)
+    return rstd
+
+
 def rmsnorm_fp8_triton(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -428,27 +467,7 @@ def rmsnorm_fp8_triton(
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     row_amax = torch.empty(n_rows if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
     col_amax = torch.zeros(hidden if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
-    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
-    stages = _pipeline_stages(x.device, rows_per_program * block_h * x.element_size())
-    programs = min(triton.cdiv(n_rows, rows_per_program), _STATS_PROGRAMS_PER_SM[mode] * num_sms(x.device))
-    _rmsnorm_stats_kernel[(programs,)](
-        x,
-        gamma,
-        rstd,
-        amax,
-        row_amax,
-        col_amax,
-        n_rows,
-        hidden,
-        x.stride(0),
-        eps,
-        ZERO_CENTERED=zero_centered,
-        MODE=mode,
-        ROWS=rows_per_program,
-        BLOCK_H=block_h,
-        NUM_STAGES=stages,
-        num_warps=warps,
-    )
+    _stats_pass(x, gamma, eps, zero_centered, mode, rstd, amax, row_amax, col_amax)
     tile, emit_warps = emit_launch(group if mode == EMIT_BLOCK else 0)
     dual = q_t is not None
     _rmsnorm_emit_kernel[(triton.cdiv(n_rows, tile), triton.cdiv(hidden, tile))](

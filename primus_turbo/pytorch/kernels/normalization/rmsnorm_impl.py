@@ -7,13 +7,24 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.pytorch.kernels.quantization.dual_block_cuda import (
+    PRODUCER_RMSNORM,
+    dual_block_cuda,
+    dual_block_cuda_usable,
+)
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     EMIT_MODES,
     fp8_producer_empty,
     fp8_producer_reference,
     fp8_triton_usable,
 )
-from primus_turbo.triton.normalization import rmsnorm_bwd_triton, rmsnorm_fp8_triton, rmsnorm_fwd_triton
+from primus_turbo.triton.normalization import (
+    rmsnorm_bwd_triton,
+    rmsnorm_fp8_triton,
+    rmsnorm_fwd_triton,
+    rmsnorm_rstd_triton,
+)
+from primus_turbo.triton.quantization import EMIT_BLOCK
 from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
@@ -142,11 +153,25 @@ def rmsnorm_fp8_fwd_impl(
     q, scale, q_t, scale_t = fp8_producer_empty(
         x.shape, fp8_dtype, granularity, block_size, columnwise, x.device
     )
+    if columnwise and EMIT_MODES[granularity] == EMIT_BLOCK and _cuda_tiles(x, gamma, fp8_dtype, block_size):
+        rstd = rmsnorm_rstd_triton(x, gamma, eps, zero_centered)
+        dual_block_cuda(x, PRODUCER_RMSNORM, q, scale, q_t, scale_t, gamma, rstd, zero_centered)
+        return rstd, q, scale, q_t, scale_t
     column = (q_t, scale_t) if columnwise else (None, None)
     rstd = rmsnorm_fp8_triton(
         x, gamma, eps, zero_centered, EMIT_MODES[granularity], q, scale, *column, block_size
     )
     return rstd, q, scale, q_t, scale_t
+
+
+def _cuda_tiles(x: torch.Tensor, gamma: torch.Tensor, fp8_dtype: torch.dtype, block_size: int) -> bool:
+    """Both 1 x 128 copies from the C++ kernel's tiles (after a Triton pass for rstd), where it runs."""
+    return (
+        dual_block_cuda_usable(x, fp8_dtype, block_size)
+        and gamma.dtype in (torch.float32, x.dtype)
+        and gamma.is_contiguous()
+        and gamma.is_cuda
+    )
 
 
 @rmsnorm_fp8_fwd_impl.register_fake

@@ -15,6 +15,11 @@ import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.quantization.dual_block_cuda import (
+    PRODUCER_COPY,
+    dual_block_cuda,
+    dual_block_cuda_usable,
+)
 from primus_turbo.triton.quantization import (
     EMIT_BLOCK,
     EMIT_ROW,
@@ -241,14 +246,18 @@ def to_block_major(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _with_trans_blocks_triton(x: torch.Tensor, out_dtype: torch.dtype, block: int, mx: bool):
-    """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe)."""
+    """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe): the C++
+    kernel where it runs (``dual_block_cuda``), else Triton."""
     m, k = x.shape
     scale_dtype = torch.uint8 if mx else torch.float32
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     q_t = torch.empty((k, m), dtype=out_dtype, device=x.device)
     scale = _block_major_empty(m, -(-k // block), scale_dtype, x.device)
     scale_t = _block_major_empty(k, -(-m // block), scale_dtype, x.device)
-    quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, mx_emax(out_dtype) if mx else None)
+    if not mx and dual_block_cuda_usable(x, out_dtype, block):
+        dual_block_cuda(x, PRODUCER_COPY, q, scale, q_t, scale_t)
+    else:
+        quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, mx_emax(out_dtype) if mx else None)
     if mx:
         scale, scale_t = scale.view(torch.float8_e8m0fnu), scale_t.view(torch.float8_e8m0fnu)
     return q, scale, q_t, scale_t

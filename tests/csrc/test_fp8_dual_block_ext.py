@@ -1,0 +1,113 @@
+"""Tests of the C++/CUDA op primus_turbo_cpp_extension::fp8_dual_block_emit (needs a GPU and _C): both 1 x 128
+FP8 copies bit for bit equal to the Triton producers'."""
+
+import pytest
+import torch
+
+try:
+    import primus_turbo._C  # noqa: F401  (loading the library registers the ops)
+
+    _EXT_ERROR = None
+except ImportError as exc:
+    _EXT_ERROR = exc
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(torch.version.hip is not None, reason="the op is validated on CUDA only"),
+    pytest.mark.skipif(_EXT_ERROR is not None, reason=f"primus_turbo._C is not built: {_EXT_ERROR}"),
+]
+
+SHAPES = [(128, 128), (1008, 200), (4096, 1536), (272, 7168)]
+
+
+def _op():
+    return torch.ops.primus_turbo_cpp_extension.fp8_dual_block_emit
+
+
+def _buffers(rows: int, cols: int, fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, scale, q_t, scale_t laid out as quantize_fp8_with_trans returns them (block-major scales)."""
+    return (
+        torch.empty(rows, cols, dtype=fp8, device="cuda"),
+        torch.empty(-(-cols // 128), rows, device="cuda").t(),
+        torch.empty(cols, rows, dtype=fp8, device="cuda"),
+        torch.empty(-(-rows // 128), cols, device="cuda").t(),
+    )
+
+
+def _assert_same_bits(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        view = torch.int32 if a.dtype == torch.float32 else torch.uint8
+        assert torch.equal(a.view(view), b.view(view))
+
+
+def _input(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen, device="cuda").to(dtype)
+    x[3, 5] = float("nan")
+    x[-1, -2] = float("inf")
+    x[17] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_copy_matches_triton(rows, cols, dtype, fp8):
+    from primus_turbo.triton.quantization import quantize_fp8_dual_blocks_triton
+
+    x = _input(rows, cols, dtype, 0)
+    expected, got = _buffers(rows, cols, fp8), _buffers(rows, cols, fp8)
+    quantize_fp8_dual_blocks_triton(x, *expected, 128, None)
+    _op()(x, None, None, None, None, 0, 0, False, *got)
+    _assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("act", [0, 1])
+@pytest.mark.parametrize("moe", [False, True])
+def test_gated_matches_triton(rows, cols, act, moe):
+    from primus_turbo.triton.activation import gated_act_fp8_triton
+    from primus_turbo.triton.quantization import EMIT_BLOCK
+
+    x = _input(rows, 2 * cols, torch.bfloat16, 1)
+    probs = torch.rand(rows, device="cuda") if moe else None
+    mask = (torch.arange(rows, device="cuda") % 3 != 0) if moe else None
+    expected, got = _buffers(rows, cols, torch.float8_e4m3fn), _buffers(rows, cols, torch.float8_e4m3fn)
+    gated_act_fp8_triton(x, probs, mask, act, EMIT_BLOCK, *expected, 128)
+    _op()(x, None, None, probs, mask, 1, act, False, *got)
+    _assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("gamma_dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_triton(rows, cols, zero_centered, gamma_dtype):
+    from primus_turbo.triton.normalization import rmsnorm_fp8_triton
+    from primus_turbo.triton.quantization import EMIT_BLOCK
+
+    x = _input(rows, cols, torch.bfloat16, 2)
+    gamma = torch.randn(cols, device="cuda").to(gamma_dtype)
+    expected, got = _buffers(rows, cols, torch.float8_e4m3fn), _buffers(rows, cols, torch.float8_e4m3fn)
+    rstd = rmsnorm_fp8_triton(x, gamma, 1e-6, zero_centered, EMIT_BLOCK, *expected, 128)
+    _op()(x, gamma, rstd, None, None, 2, 0, zero_centered, *got)
+    _assert_same_bits(got, expected)
+
+
+def test_opcheck():
+    x = _input(256, 384, torch.bfloat16, 3)
+    outputs = _buffers(256, 384, torch.float8_e4m3fn)
+    torch.library.opcheck(_op(), (x, None, None, None, None, 0, 0, False, *outputs))
+
+
+def test_unaligned_rows_raise():
+    x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="16-byte aligned rows"):
+        _op()(x, None, None, None, None, 0, 0, False, *_buffers(100, 256, torch.float8_e4m3fn))
+
+
+def test_bad_output_dtype_raises():
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    q, scale, q_t, scale_t = _buffers(128, 256, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="q must be float8_e4m3fn or float8_e5m2"):
+        _op()(x, None, None, None, None, 0, 0, False, q.view(torch.uint8), scale, q_t, scale_t)
