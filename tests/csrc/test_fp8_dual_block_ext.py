@@ -97,7 +97,9 @@ def test_rmsnorm_matches_triton(rows, cols, zero_centered, gamma_dtype):
 def test_opcheck():
     x = _input(256, 384, torch.bfloat16, 3)
     outputs = _buffers(256, 384, torch.float8_e4m3fn)
-    torch.library.opcheck(_op(), (x, None, None, None, None, 0, 0, False, *outputs))
+    # test_schema compares mutated arguments with arithmetic that float8 tensors do not support
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_op(), (x, None, None, None, None, 0, 0, False, *outputs), test_utils=checks)
 
 
 def test_unaligned_rows_raise():

@@ -1,8 +1,8 @@
 // Both 1 x 128 block FP8 copies of a producer's output from one read of its input; see fp8_dual_block.h.
 //
-// Persistent 256-thread blocks walk the 128 x 128 tiles. While a block computes one tile, the next tile's
-// input is already streaming into the other half of a double buffer in shared memory (16-byte cp.async),
-// so loads stay in flight across the block's math and stores. Thread (warp w, lane l) owns rows
+// Persistent 256-thread blocks walk the 128 x 128 tiles. Each thread copies its own pieces of a tile into
+// shared memory (16-byte cp.async) and reads back only those, so as soon as it holds the current tile in
+// registers it starts the next tile's copy, which stays in flight across the math and the stores. Thread (warp w, lane l) owns rows
 // 16w + 8(l / 16) + [0, 8) and columns 8(l % 16) + [0, 8) of a tile:
 //   - the forward copy's row amaxes are shuffles within each half-warp; its 8-byte stores cover whole
 //     128-byte rows of q;
@@ -101,11 +101,12 @@ template <int FP8_KIND> __device__ __forceinline__ unsigned pack4(float a, float
 // 16 bytes from global to shared memory without passing through registers; zero-filled when !valid.
 __device__ __forceinline__ void copy_async16(void *smem, const void *gmem, bool valid) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
 }
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int PENDING> __device__ __forceinline__ void copy_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
 template <typename T> __device__ __forceinline__ void unpack8(const uint4 &raw, float out[kSpan]) {
@@ -123,7 +124,7 @@ __device__ __forceinline__ float load_scalar(const void *ptr, bool fp32, int64_t
 }
 
 template <typename T, int INPUTS> struct Staging {
-    T input[2][INPUTS][kTile][kPitch]; // double-buffered input tile (gated: gate and linear halves)
+    T input[INPUTS][kTile][kPitch]; // the next input tile (gated: gate and linear halves)
     uint8_t transposed[kTile][kTile];  // q_t's tile, FP8, 16-byte pieces swizzled
     unsigned column_bits[kWarps][kTile];
     float column_multiplier[kTile];
@@ -149,8 +150,8 @@ __global__ void __launch_bounds__(kThreads) fp8_dual_block_kernel(const DualBloc
     const int64_t tiles = tiles_m * ((K + kTile - 1) / kTile);
     const T *x = static_cast<const T *>(p.x);
 
-    // issue the loads of this thread's pieces of a tile into one half of the double buffer
-    auto prefetch = [&](int64_t tile, int buffer) {
+    // start copying this thread's pieces of a tile into shared memory
+    auto prefetch = [&](int64_t tile) {
         const int64_t m0 = (tile % tiles_m) * kTile;
         const int64_t col = (tile / tiles_m) * kTile + col_local;
 #pragma unroll
@@ -161,24 +162,15 @@ __global__ void __launch_bounds__(kThreads) fp8_dual_block_kernel(const DualBloc
             const T *src = valid ? x + row * p.stride_x + col : x;
 #pragma unroll
             for (int input = 0; input < kInputs; ++input) {
-                copy_async16(&smem.input[buffer][input][row_local + i][col_local], src + (valid ? input * K : 0),
-                             valid);
+                copy_async16(&smem.input[input][row_local + i][col_local], src + (valid ? input * K : 0), valid);
             }
         }
         copy_async_commit();
     };
 
     int64_t tile = blockIdx.x;
-    if (tile < tiles) prefetch(tile, 0);
-    for (int step = 0; tile < tiles; tile += gridDim.x, ++step) {
-        const int buffer = step % 2;
-        const int64_t next = tile + gridDim.x;
-        if (next < tiles) {
-            prefetch(next, 1 - buffer);
-            copy_async_wait<1>();
-        } else {
-            copy_async_wait<0>();
-        }
+    if (tile < tiles) prefetch(tile);
+    for (; tile < tiles; tile += gridDim.x) {
         const int64_t tile_m = tile % tiles_m;
         const int64_t tile_k = tile / tiles_m;
         const int64_t m0 = tile_m * kTile;
@@ -186,7 +178,24 @@ __global__ void __launch_bounds__(kThreads) fp8_dual_block_kernel(const DualBloc
         const int64_t col0 = k0 + col_local;
         const bool cols_in = col0 < K; // K % 8 == 0: a thread's 8 columns are all in or all out
 
+        // per-row and per-column factors load while the tile is still arriving
         float weight[kSpan];
+        float row_factor[kSpan];
+        bool live[kSpan];
+#pragma unroll
+        for (int i = 0; i < kSpan; ++i) {
+            const int64_t row = m0 + row_local + i;
+            live[i] = row < M;
+            row_factor[i] = 0.0f;
+            if constexpr (kGated) {
+                if (live[i] && p.row_mask != nullptr) live[i] = p.row_mask[row] != 0;
+                row_factor[i] = !live[i] ? 0.0f
+                                : p.probs != nullptr ? load_scalar(p.probs, p.probs_fp32, row, kBf16)
+                                                     : 1.0f;
+            } else if constexpr (kRmsNorm) {
+                row_factor[i] = live[i] ? p.rstd[row] : 0.0f;
+            }
+        }
         if constexpr (kRmsNorm) {
 #pragma unroll
             for (int j = 0; j < kSpan; ++j) {
@@ -194,34 +203,32 @@ __global__ void __launch_bounds__(kThreads) fp8_dual_block_kernel(const DualBloc
                 if (p.zero_centered) weight[j] += 1.0f;
             }
         }
+        copy_async_wait<0>();
         float y[kSpan][kSpan];
 #pragma unroll
         for (int i = 0; i < kSpan; ++i) {
-            const int64_t row = m0 + row_local + i;
             float s[kSpan];
-            unpack8<T>(*reinterpret_cast<const uint4 *>(&smem.input[buffer][0][row_local + i][col_local]), s);
+            unpack8<T>(*reinterpret_cast<const uint4 *>(&smem.input[0][row_local + i][col_local]), s);
             if constexpr (kGated) {
-                bool live = row < M;
-                if (live && p.row_mask != nullptr) live = p.row_mask[row] != 0;
-                const float prob = !live ? 0.0f : p.probs != nullptr ? load_scalar(p.probs, p.probs_fp32, row, kBf16)
-                                                                      : 1.0f;
                 float linear[kSpan];
-                unpack8<T>(*reinterpret_cast<const uint4 *>(&smem.input[buffer][1][row_local + i][col_local]),
-                           linear);
+                unpack8<T>(*reinterpret_cast<const uint4 *>(&smem.input[1][row_local + i][col_local]), linear);
 #pragma unroll
                 for (int j = 0; j < kSpan; ++j) {
                     // masked rows read zeros, as the Triton kernel's masked loads do
-                    y[i][j] = live ? to_float(from_float<T>(gated_value(s[j], linear[j], prob, p.act))) : 0.0f;
+                    y[i][j] = live[i] ? to_float(from_float<T>(gated_value(s[j], linear[j], row_factor[i], p.act)))
+                                      : 0.0f;
                 }
             } else if constexpr (kRmsNorm) {
-                const float rstd = row < M ? p.rstd[row] : 0.0f;
 #pragma unroll
-                for (int j = 0; j < kSpan; ++j) y[i][j] = to_float(from_float<T>(s[j] * rstd * weight[j]));
+                for (int j = 0; j < kSpan; ++j) y[i][j] = to_float(from_float<T>(s[j] * row_factor[i] * weight[j]));
             } else {
 #pragma unroll
                 for (int j = 0; j < kSpan; ++j) y[i][j] = s[j];
             }
         }
+        // each thread loads and reads only its own pieces of the buffer, so the next tile can stream in
+        // while this one is quantized and stored
+        if (tile + gridDim.x < tiles) prefetch(tile + gridDim.x);
 
         // forward copy: one scale per row of the tile
 #pragma unroll
@@ -290,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) fp8_dual_block_kernel(const DualBloc
                 *reinterpret_cast<uint4 *>(static_cast<uint8_t *>(p.q_t) + col * M + row) = v;
             }
         }
-        __syncthreads(); // the staging tiles and this input buffer are free for the next tile
+        __syncthreads(); // the staging tiles are free for the next tile
     }
 }
 

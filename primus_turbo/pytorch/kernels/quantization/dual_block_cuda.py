@@ -54,10 +54,14 @@ def dual_block_cuda(
     gamma: torch.Tensor | None = None,
     rstd: torch.Tensor | None = None,
     zero_centered: bool = False,
+    probs: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+    act: int = 0,
 ) -> None:
-    """Write the producer's output of ``x`` (a copy, or RMSNorm with ``gamma`` and a precomputed ``rstd``)
-    into ``q``/``scale`` along K and ``q_t``/``scale_t`` transposed, laid out as ``quantize_fp8_with_trans``
+    """Write the producer's output of ``x`` (a copy; RMSNorm with ``gamma`` and a precomputed ``rstd``; the
+    gated activation ``act`` of x = [gate | linear] with optional ``probs`` and ``row_mask``) into
+    ``q``/``scale`` along K and ``q_t``/``scale_t`` transposed, laid out as ``quantize_fp8_with_trans``
     returns them."""
     torch.ops.primus_turbo_cpp_extension.fp8_dual_block_emit(
-        x, gamma, rstd, None, None, producer, 0, zero_centered, q, scale, q_t, scale_t
+        x, gamma, rstd, probs, row_mask, producer, act, zero_centered, q, scale, q_t, scale_t
     )
