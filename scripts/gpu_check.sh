@@ -19,6 +19,7 @@
 #   SKIP_BF16=1         skip the bf16 GEMM benchmark
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   NORM_ACT_SWEEP=1    time the RMSNorm-backward / gated-activation launch candidates against a same-size copy
+#   DUAL_BLOCK=1        time the Triton and C++ dual 1 x 128 FP8 emitters (quantize, RMSNorm, SwiGLU) against a copy
 #   GROUPED=1           also run the grouped GEMM benchmark, bf16 and FP8 (GROUPED_SHAPES, default quick;
 #                       GROUPED_FP8, default "tensorwise rowwise blockwise")
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
@@ -96,6 +97,10 @@ if [ "${NORM_ACT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_turbo --fused-fp8 \
     --shapes "${NORM_ACT_SHAPES:-quick}" -o "$OUT/norm_act_fused_fp8.csv" 2>&1 \
     | tee "$OUT/bench_norm_act_fused_fp8.log" || status=1
+fi
+if [ "${DUAL_BLOCK:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_fp8_dual_block \
+    -o "$OUT/fp8_dual_block.csv" 2>&1 | tee "$OUT/bench_fp8_dual_block.log" || status=1
 fi
 if [ "${NORM_ACT_SWEEP:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_configs \
