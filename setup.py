@@ -10,6 +10,8 @@ EXT_SOURCES = [  # relative to ROOT, which pip makes the working directory
     "csrc/pytorch/bindings.cpp",
     "csrc/pytorch/group_offs_ops.cpp",
     "csrc/kernels/grouped_gemm/group_offs.cu",
+]
+CUDA_ONLY_SOURCES = [  # PTX inline assembly and CUDA FP8 conversions: not hipified
     "csrc/pytorch/fp8_dual_block_ops.cpp",
     "csrc/kernels/quantization/fp8_dual_block.cu",
 ]
@@ -100,7 +102,7 @@ def extensions():
     std = cxx_std(torch)
     ext = cpp_extension.CUDAExtension(  # hipified automatically when torch is a ROCm build
         name="primus_turbo._C",
-        sources=EXT_SOURCES,
+        sources=EXT_SOURCES + ([] if is_rocm else CUDA_ONLY_SOURCES),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={"cxx": ["-O3", std], "nvcc": ["-O3", std, *arch_flags(torch, is_rocm)]},
     )

@@ -1,4 +1,6 @@
-// CUDA and Meta impls of primus_turbo_cpp_extension::fp8_dual_block_emit (schema in bindings.cpp).
+// primus_turbo_cpp_extension::fp8_dual_block_emit: schema, CUDA and Meta impls. Built for CUDA only (the
+// kernel uses cp.async and the CUDA FP8 conversions), so on ROCm the op does not exist and callers use the
+// Triton kernels.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -116,6 +118,15 @@ void fp8_dual_block_emit_meta(const at::Tensor &, const c10::optional<at::Tensor
 
 } // namespace
 } // namespace primus_turbo
+
+TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
+    // Both 1 x 128 block FP8 copies (q along the columns, q_t transposed) of a producer's output: 0 copy of
+    // x, 1 gated activation of x = [gate | linear], 2 RMSNorm with a given rstd.
+    m.def("fp8_dual_block_emit(Tensor x, Tensor? gamma, Tensor? rstd, Tensor? probs, Tensor? row_mask, "
+          "int producer, int act, bool zero_centered, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) q_t, "
+          "Tensor(d!) scale_t) -> ()",
+          {at::Tag::pt2_compliant_tag});
+}
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) {
     m.impl("fp8_dual_block_emit", &primus_turbo::fp8_dual_block_emit_cuda);
