@@ -23,10 +23,15 @@ void check_scale(const at::Tensor &scale, int64_t rows, int64_t blocks, const ch
                 rows, ", ", blocks, "), got ", scale.sizes());
 }
 
-void check_row_vector(const c10::optional<at::Tensor> &t, int64_t rows, const char *name) {
+void check_device(const at::Tensor &t, const at::Tensor &x, const char *name) {
+    TORCH_CHECK(t.device() == x.device(), kOp, name, " must be on x's device ", x.device(), ", got ", t.device());
+}
+
+void check_row_vector(const c10::optional<at::Tensor> &t, const at::Tensor &x, int64_t rows, const char *name) {
     if (!t.has_value()) return;
-    TORCH_CHECK(t->is_cuda() && t->dim() == 1 && t->size(0) == rows && t->is_contiguous(), kOp, name,
-                " must be a contiguous CUDA vector of ", rows, " elements");
+    check_device(*t, x, name);
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->is_contiguous(), kOp, name,
+                " must be a contiguous vector of ", rows, " elements");
 }
 
 void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tensor> &gamma,
@@ -53,20 +58,24 @@ void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tenso
                 ", ", cols, ")");
     TORCH_CHECK(q_t.is_contiguous() && q_t.sizes() == at::IntArrayRef({cols, rows}), kOp, "q_t must be contiguous (",
                 cols, ", ", rows, ")");
+    check_device(q, x, "q");
+    check_device(scale, x, "scale");
+    check_device(q_t, x, "q_t");
+    check_device(scale_t, x, "scale_t");
     check_scale(scale, rows, (cols + kBlock - 1) / kBlock, "scale");
     check_scale(scale_t, cols, (rows + kBlock - 1) / kBlock, "scale_t");
     if (rmsnorm) {
         TORCH_CHECK(gamma.has_value() && rstd.has_value(), kOp, "rmsnorm needs gamma and rstd");
-        check_row_vector(gamma, cols, "gamma");
-        check_row_vector(rstd, rows, "rstd");
+        check_row_vector(gamma, x, cols, "gamma");
+        check_row_vector(rstd, x, rows, "rstd");
         TORCH_CHECK(gamma->scalar_type() == at::kFloat || gamma->scalar_type() == x.scalar_type(), kOp,
                     "gamma must be float32 or x's dtype");
         TORCH_CHECK(rstd->scalar_type() == at::kFloat, kOp, "rstd must be float32");
     }
     if (gated) {
         TORCH_CHECK(act == 0 || act == 1, kOp, "act must be 0 (SiLU) or 1 (tanh GELU), got ", act);
-        check_row_vector(probs, rows, "probs");
-        check_row_vector(row_mask, rows, "row_mask");
+        check_row_vector(probs, x, rows, "probs");
+        check_row_vector(row_mask, x, rows, "row_mask");
         TORCH_CHECK(!probs.has_value() || probs->scalar_type() == at::kFloat || probs->scalar_type() == x.scalar_type(),
                     kOp, "probs must be float32 or x's dtype");
         TORCH_CHECK(!row_mask.has_value() || row_mask->scalar_type() == at::kBool ||

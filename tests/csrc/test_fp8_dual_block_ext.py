@@ -18,7 +18,10 @@ pytestmark = [
     pytest.mark.skipif(_EXT_ERROR is not None, reason=f"primus_turbo._C is not built: {_EXT_ERROR}"),
 ]
 
-SHAPES = [(128, 128), (1008, 200), (4096, 1536), (272, 7168)]
+# tails in both dimensions; (4112, 2440) gives blocks a second tile after a tail tile
+SHAPES = [(128, 128), (1008, 200), (4096, 1536), (272, 7168), (4112, 2440)]
+# (input dtype, FP8 dtype) pairs for the producers; the copy tests every combination
+KINDS = [(torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e5m2)]
 
 
 def _op():
@@ -66,14 +69,19 @@ def test_copy_matches_triton(rows, cols, dtype, fp8):
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("act", [0, 1])
 @pytest.mark.parametrize("moe", [False, True])
-def test_gated_matches_triton(rows, cols, act, moe):
+@pytest.mark.parametrize("dtype,fp8", KINDS)
+def test_gated_matches_triton(rows, cols, act, moe, dtype, fp8):
     from primus_turbo.triton.activation import gated_act_fp8_triton
     from primus_turbo.triton.quantization import EMIT_BLOCK
 
-    x = _input(rows, 2 * cols, torch.bfloat16, 1)
-    probs = torch.rand(rows, device="cuda") if moe else None
+    x = _input(rows, 2 * cols, dtype, 1)
+    probs = (
+        torch.rand(rows, device="cuda").to(dtype if dtype == torch.float16 else torch.float32)
+        if moe
+        else None
+    )
     mask = (torch.arange(rows, device="cuda") % 3 != 0) if moe else None
-    expected, got = _buffers(rows, cols, torch.float8_e4m3fn), _buffers(rows, cols, torch.float8_e4m3fn)
+    expected, got = _buffers(rows, cols, fp8), _buffers(rows, cols, fp8)
     gated_act_fp8_triton(x, probs, mask, act, EMIT_BLOCK, *expected, 128)
     _op()(x, None, None, probs, mask, 1, act, False, *got)
     _assert_same_bits(got, expected)
@@ -81,17 +89,53 @@ def test_gated_matches_triton(rows, cols, act, moe):
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
-@pytest.mark.parametrize("gamma_dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_matches_triton(rows, cols, zero_centered, gamma_dtype):
+@pytest.mark.parametrize("gamma_fp32", [True, False])
+@pytest.mark.parametrize("dtype,fp8", KINDS)
+def test_rmsnorm_matches_triton(rows, cols, zero_centered, gamma_fp32, dtype, fp8):
     from primus_turbo.triton.normalization import rmsnorm_fp8_triton
     from primus_turbo.triton.quantization import EMIT_BLOCK
 
-    x = _input(rows, cols, torch.bfloat16, 2)
-    gamma = torch.randn(cols, device="cuda").to(gamma_dtype)
-    expected, got = _buffers(rows, cols, torch.float8_e4m3fn), _buffers(rows, cols, torch.float8_e4m3fn)
+    x = _input(rows, cols, dtype, 2)
+    gamma = torch.randn(cols, device="cuda").to(torch.float32 if gamma_fp32 else dtype)
+    expected, got = _buffers(rows, cols, fp8), _buffers(rows, cols, fp8)
     rstd = rmsnorm_fp8_triton(x, gamma, 1e-6, zero_centered, EMIT_BLOCK, *expected, 128)
     _op()(x, gamma, rstd, None, None, 2, 0, zero_centered, *got)
     _assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("op_name", ["quantize_fp8_with_trans", "rmsnorm_fp8"])
+def test_ops_take_the_cuda_tiles(op_name, monkeypatch):
+    """quantize_fp8_with_trans and rmsnorm_fp8 (1 x 128, both copies, aligned rows) run this op, and their
+    outputs equal the Triton path's bit for bit."""
+    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+    from primus_turbo.pytorch.kernels.normalization import rmsnorm_impl
+    from primus_turbo.pytorch.kernels.quantization import dual_block_cuda, quantization_impl
+    from primus_turbo.pytorch.ops import quantize_fp8_with_trans, rmsnorm_fp8
+
+    x = _input(1024, 768, torch.bfloat16, 4)
+    gamma = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    config = Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=128)
+
+    def run():
+        if op_name == "quantize_fp8_with_trans":
+            return quantize_fp8_with_trans(
+                x, torch.float8_e4m3fn, ScalingGranularity.BLOCKWISE, block_size=128
+            )
+        out = rmsnorm_fp8(x, gamma, config)
+        return out.data, out.scale_inv, out.data_t, out.scale_inv_t
+
+    calls = []
+    module = quantization_impl if op_name == "quantize_fp8_with_trans" else rmsnorm_impl
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return dual_block_cuda.dual_block_cuda(*args, **kwargs)
+
+    monkeypatch.setattr(module, "dual_block_cuda", spy)
+    got = run()
+    assert calls, "the C++ tiles did not run"
+    monkeypatch.setattr(module, "dual_block_cuda_usable", lambda *args: False)
+    _assert_same_bits(got, run())
 
 
 def test_opcheck():

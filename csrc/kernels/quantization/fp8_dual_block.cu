@@ -50,14 +50,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Triton's fp32 exp and division lower to ex2.approx (after a multiply by -log2 e) and div.full; the same
 // instructions here keep the gated output bit-identical to the Triton kernels'.
 __device__ __forceinline__ float fast_sigmoid(float a) {
-#if defined(__HIP_PLATFORM_AMD__)
-    return 1.0f / (1.0f + __expf(-a));
-#else
     float e, s;
     asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(a * -1.4426950408889634f));
     asm("div.full.f32 %0, %1, %2;" : "=f"(s) : "f"(1.0f), "f"(1.0f + e));
     return s;
-#endif
 }
 
 __device__ __forceinline__ float gated_value(float gate, float linear, float prob, int act) {
@@ -98,15 +94,27 @@ template <int FP8_KIND> __device__ __forceinline__ unsigned pack4(float a, float
     return lo | (hi << 16);
 }
 
-// 16 bytes from global to shared memory without passing through registers; zero-filled when !valid.
+// 16 bytes from global to shared memory without passing through registers (sm_80+; a plain copy before),
+// zero-filled when !valid. A thread starts a copy into shared memory it has just read: the "memory" clobber
+// keeps that read ahead of the copy, and the copy lands a global-memory latency later.
 __device__ __forceinline__ void copy_async16(void *smem, const void *gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    *static_cast<uint4 *>(smem) = valid ? *static_cast<const uint4 *>(gmem) : make_uint4(0, 0, 0, 0);
+#else
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
                  : "memory");
+#endif
 }
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copy_async_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
 template <int PENDING> __device__ __forceinline__ void copy_async_wait() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
 }
 
 template <typename T> __device__ __forceinline__ void unpack8(const uint4 &raw, float out[kSpan]) {
@@ -297,7 +305,9 @@ __global__ void __launch_bounds__(kThreads) fp8_dual_block_kernel(const DualBloc
                 *reinterpret_cast<uint4 *>(static_cast<uint8_t *>(p.q_t) + col * M + row) = v;
             }
         }
-        __syncthreads(); // the staging tiles are free for the next tile
+        // not needed for the shared buffers (the next tile's own barriers order them): keeps a block's warps
+        // on one tile
+        __syncthreads();
     }
 }
 
@@ -305,15 +315,23 @@ template <typename T, int FP8_KIND, int PRODUCER>
 void launch_kernel(const DualBlockParams &params, int64_t tiles, cudaStream_t stream) {
     constexpr int kInputs = PRODUCER == static_cast<int>(DualBlockProducer::kGated) ? 2 : 1;
     constexpr size_t kSmem = sizeof(Staging<T, kInputs>);
+    constexpr int kMaxDevices = 64;
     auto kernel = fp8_dual_block_kernel<T, FP8_KIND, PRODUCER>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-    int per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem);
+    // resident blocks per device, found on the first launch there (idempotent, so a race only repeats it)
+    static int resident[kMaxDevices] = {};
     int device = 0;
     cudaGetDevice(&device);
-    int sms = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    const int64_t blocks = std::min<int64_t>(tiles, static_cast<int64_t>(std::max(per_sm, 1)) * sms);
+    int blocks_per_device = device < kMaxDevices ? resident[device] : 0;
+    if (blocks_per_device == 0) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+        int per_sm = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmem);
+        int sms = 0;
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        blocks_per_device = std::max(per_sm, 1) * sms;
+        if (device < kMaxDevices) resident[device] = blocks_per_device;
+    }
+    const int64_t blocks = std::min<int64_t>(tiles, blocks_per_device);
     kernel<<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(params);
 }
 

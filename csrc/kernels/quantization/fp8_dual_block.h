@@ -1,4 +1,4 @@
-// Both 1 x 128 block FP8 copies of a producer's output from one read of its input (CUDA/HIP, no framework).
+// Both 1 x 128 block FP8 copies of a producer's output from one read of its input (CUDA, no framework).
 //
 // A producer (plain copy, gated activation or RMSNorm) computes its output y (M x K, rounded to the input
 // dtype) one 128 x 128 tile at a time; the tile is written quantized along K into q (M x K, one scale per

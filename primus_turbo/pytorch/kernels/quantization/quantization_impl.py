@@ -245,7 +245,7 @@ def to_block_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
-def _with_trans_blocks_triton(x: torch.Tensor, out_dtype: torch.dtype, block: int, mx: bool):
+def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, block: int, mx: bool):
     """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe): the C++
     kernel where it runs (``dual_block_cuda``), else Triton."""
     m, k = x.shape
@@ -271,7 +271,7 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
         q_t = transpose_2d_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
         return q, scale, q_t, scale.t().clone(memory_format=contiguous)
     if triton_path and granularity in (_BLOCKWISE, _MX):
-        return _with_trans_blocks_triton(x, out_dtype, block_size, granularity == _MX)
+        return _with_trans_blocks(x, out_dtype, block_size, granularity == _MX)
     q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
     groups = _groups(x.shape, granularity, block_size, 1, block_2d)
     q_t = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=x.device)
