@@ -329,70 +329,44 @@ def rmsnorm_fwd_triton(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0 or hidden == 0:
         return y, s, rstd
-    block_h, rows_per_program, warps = _launch_shape(n_rows, hidden)
+    _fwd_launch(x, gamma, eps, zero_centered, rstd, residual=residual, y=y, s=s)
+    return y, s, rstd
+
+
+def _fwd_launch(
+    x, gamma, eps, zero_centered, rstd, *, residual=None, y=None, s=None, quant=0, q=None, scale=None, group=0
+):
+    """One launch of the forward kernel over whole rows: ``y`` (and ``s = x + residual``) when ``y`` is
+    given; else only the FP8 copy ``q`` with ``scale``, per row (``quant`` 1) or per 1 x ``group`` block
+    (``quant`` 2). rstd is stored either way."""
+    n_rows, hidden = x.shape
+    block_h, rows_per_program, warps = _launch_shape(n_rows, max(hidden, group if quant == 2 else 0))
+    group = group if quant == 2 else block_h
     r = residual if residual is not None else x
+    write_y = y is not None
     _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows_per_program),)](
         x,
         r,
         gamma,
-        y,
-        s,
+        y if write_y else x,
+        s if write_y else x,
         rstd,
-        y,
-        rstd,
+        q if quant else y,
+        scale if quant else rstd,
         n_rows,
         hidden,
         x.stride(0),
         r.stride(0),
-        y.stride(0),
-        s.stride(0),
-        0,
-        0,
+        y.stride(0) if write_y else 0,
+        s.stride(0) if write_y else 0,
+        *(scale_strides(scale) if quant else (0, 0)),
         eps,
         HAS_RESIDUAL=residual is not None,
         ZERO_CENTERED=zero_centered,
-        WRITE_Y=True,
-        QUANT=0,
-        FP8_MAX=0.0,
-        CAST_SATURATES=False,
-        GROUP=block_h,
-        N_GROUPS=1,
-        ROWS=rows_per_program,
-        BLOCK_H=block_h,
-        num_warps=warps,
-    )
-    return y, s, rstd
-
-
-def _fp8_single_pass(x, gamma, eps, zero_centered, mode, q, scale, group, rstd) -> None:
-    """Row or 1 x group scaling of the forward copy alone: the forward kernel has whole rows, so it
-    quantizes in the same pass and writes no y."""
-    n_rows, hidden = x.shape
-    block_h, rows_per_program, warps = _launch_shape(n_rows, max(hidden, group if mode == EMIT_BLOCK else 0))
-    group = group if mode == EMIT_BLOCK else block_h
-    _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        x,
-        x,
-        gamma,
-        x,
-        x,
-        rstd,
-        q,
-        scale,
-        n_rows,
-        hidden,
-        x.stride(0),
-        x.stride(0),
-        0,
-        0,
-        *scale_strides(scale),
-        eps,
-        HAS_RESIDUAL=False,
-        ZERO_CENTERED=zero_centered,
-        WRITE_Y=False,
-        QUANT=1 if mode == EMIT_ROW else 2,
-        FP8_MAX=torch.finfo(q.dtype).max,
-        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
+        WRITE_Y=write_y,
+        QUANT=quant,
+        FP8_MAX=torch.finfo(q.dtype).max if quant else 0.0,
+        CAST_SATURATES=bool(quant) and fp8_cast_saturates(x.device, q.dtype),
         GROUP=group,
         N_GROUPS=max(1, block_h // group),
         ROWS=rows_per_program,
@@ -462,7 +436,10 @@ def rmsnorm_fp8_triton(
     if n_rows == 0 or hidden == 0:
         return rstd
     if q_t is None and mode != EMIT_TENSOR:
-        _fp8_single_pass(x, gamma, eps, zero_centered, mode, q, scale, group, rstd)
+        # row or 1 x group scaling of the forward copy alone: the forward kernel has whole rows, so it
+        # quantizes in the same pass and writes no y
+        quant = 1 if mode == EMIT_ROW else 2
+        _fwd_launch(x, gamma, eps, zero_centered, rstd, quant=quant, q=q, scale=scale, group=group)
         return rstd
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     row_amax = torch.empty(n_rows if mode == EMIT_ROW else 0, dtype=torch.int32, device=x.device)
