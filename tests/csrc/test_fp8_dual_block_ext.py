@@ -30,12 +30,11 @@ def _op():
 
 def _buffers(rows: int, cols: int, fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
     """q, scale, q_t, scale_t laid out as quantize_fp8_with_trans returns them (block-major scales)."""
-    return (
-        torch.empty(rows, cols, dtype=fp8, device="cuda"),
-        torch.empty(-(-cols // 128), rows, device="cuda").t(),
-        torch.empty(cols, rows, dtype=fp8, device="cuda"),
-        torch.empty(-(-rows // 128), cols, device="cuda").t(),
-    )
+    from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+    from primus_turbo.pytorch.kernels.quantization.quantization_impl import fp8_producer_empty
+
+    blockwise = ScalingGranularity.BLOCKWISE.value
+    return fp8_producer_empty(torch.Size((rows, cols)), fp8, blockwise, 128, True, torch.device("cuda"))
 
 
 def _assert_same_bits(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:

@@ -41,12 +41,11 @@ _FP8 = torch.float8_e4m3fn
 
 def _buffers(rows: int, cols: int) -> tuple[torch.Tensor, ...]:
     """q, scale, q_t, scale_t as quantize_fp8_with_trans lays them out (block-major scales)."""
-    return (
-        torch.empty(rows, cols, dtype=_FP8, device="cuda"),
-        torch.empty(-(-cols // 128), rows, device="cuda").t(),
-        torch.empty(cols, rows, dtype=_FP8, device="cuda"),
-        torch.empty(-(-rows // 128), cols, device="cuda").t(),
-    )
+    from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+    from primus_turbo.pytorch.kernels.quantization.quantization_impl import fp8_producer_empty
+
+    blockwise = ScalingGranularity.BLOCKWISE.value
+    return fp8_producer_empty(torch.Size((rows, cols)), _FP8, blockwise, 128, True, torch.device("cuda"))
 
 
 def _same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
