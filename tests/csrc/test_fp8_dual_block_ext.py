@@ -4,19 +4,9 @@ FP8 copies bit for bit equal to the Triton producers'."""
 import pytest
 import torch
 
-try:
-    import primus_turbo._C  # noqa: F401  (loading the library registers the ops)
+from tests.csrc import extension_marks
 
-    _EXT_ERROR = None
-except ImportError as exc:
-    _EXT_ERROR = exc
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.version.hip is not None, reason="the op is validated on CUDA only"),
-    pytest.mark.skipif(_EXT_ERROR is not None, reason=f"primus_turbo._C is not built: {_EXT_ERROR}"),
-]
+pytestmark = extension_marks(cuda_only=True)
 
 # tails in both dimensions; (4112, 2440) gives blocks a second tile after a tail tile
 SHAPES = [(128, 128), (1008, 200), (4096, 1536), (272, 7168), (4112, 2440)]

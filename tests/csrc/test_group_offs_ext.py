@@ -3,18 +3,9 @@
 import pytest
 import torch
 
-try:
-    import primus_turbo._C  # noqa: F401  (loading the library registers the ops)
+from tests.csrc import extension_marks
 
-    _EXT_ERROR = None
-except ImportError as exc:
-    _EXT_ERROR = exc
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
-    pytest.mark.skipif(_EXT_ERROR is not None, reason=f"primus_turbo._C is not built: {_EXT_ERROR}"),
-]
+pytestmark = extension_marks(cuda_only=False)
 
 
 def _op():
