@@ -29,7 +29,8 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 @functools.lru_cache(maxsize=None)
 def _op_runs_on(device_index: int) -> bool:
-    """The op is registered and the GPU streams through cp.async (sm_80+; measured on sm_90)."""
+    """The op is registered (built for CUDA only, so never on ROCm) and the GPU streams through cp.async
+    (sm_80+; measured on sm_90)."""
     return (
         cpp_extension_loaded()
         and hasattr(torch.ops.primus_turbo_cpp_extension, "fp8_dual_block_emit")
@@ -44,7 +45,6 @@ def dual_block_cuda_usable(x: torch.Tensor, fp8_dtype: torch.dtype, block: int) 
     return (
         block == _BLOCK
         and x.is_cuda
-        and torch.version.hip is None
         and x.dim() == 2
         and x.dtype in _INPUT_DTYPES
         and fp8_dtype in _FP8_DTYPES
