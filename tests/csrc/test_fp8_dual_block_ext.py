@@ -135,6 +135,19 @@ def test_opcheck():
     torch.library.opcheck(_op(), (x, None, None, None, None, 0, 0, False, *outputs), test_utils=checks)
 
 
+def test_compile_fullgraph():
+    """torch.compile captures the mutating op without graph breaks and writes the same bits as eager."""
+    x = _input(256, 384, torch.bfloat16, 5)
+
+    def emit(x, q, scale, q_t, scale_t):
+        _op()(x, None, None, None, None, 0, 0, False, q, scale, q_t, scale_t)
+        return q, scale, q_t, scale_t
+
+    eager = emit(x, *_buffers(256, 384, torch.float8_e4m3fn))
+    compiled = torch.compile(emit, fullgraph=True)(x, *_buffers(256, 384, torch.float8_e4m3fn))
+    _assert_same_bits(compiled, eager)
+
+
 def test_unaligned_rows_raise():
     x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="16-byte aligned rows"):
