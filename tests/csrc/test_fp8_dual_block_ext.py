@@ -92,17 +92,20 @@ def test_rmsnorm_matches_triton(rows, cols, zero_centered, gamma_fp32, dtype, fp
     _assert_same_bits(got, expected)
 
 
-@pytest.mark.parametrize("op_name", ["quantize_fp8_with_trans", "rmsnorm_fp8"])
+@pytest.mark.parametrize("op_name", ["quantize_fp8_with_trans", "rmsnorm_fp8", "swiglu_fp8"])
 def test_ops_take_the_cuda_tiles(op_name, monkeypatch):
-    """quantize_fp8_with_trans and rmsnorm_fp8 (1 x 128, both copies, aligned rows) run this op, and their
-    outputs equal the Triton path's bit for bit."""
+    """quantize_fp8_with_trans, rmsnorm_fp8 and swiglu_fp8 (1 x 128, both copies, aligned rows) run this
+    op, and their outputs equal the Triton path's bit for bit."""
     from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+    from primus_turbo.pytorch.kernels.activation import gated_act_impl
     from primus_turbo.pytorch.kernels.normalization import rmsnorm_impl
     from primus_turbo.pytorch.kernels.quantization import dual_block_cuda, quantization_impl
-    from primus_turbo.pytorch.ops import quantize_fp8_with_trans, rmsnorm_fp8
+    from primus_turbo.pytorch.ops import quantize_fp8_with_trans, rmsnorm_fp8, swiglu_fp8
 
     x = _input(1024, 768, torch.bfloat16, 4)
     gamma = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(1024, device="cuda")
+    row_mask = torch.rand(1024, device="cuda") > 0.2
     config = Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=128)
 
     def run():
@@ -110,11 +113,18 @@ def test_ops_take_the_cuda_tiles(op_name, monkeypatch):
             return quantize_fp8_with_trans(
                 x, torch.float8_e4m3fn, ScalingGranularity.BLOCKWISE, block_size=128
             )
-        out = rmsnorm_fp8(x, gamma, config)
+        if op_name == "rmsnorm_fp8":
+            out = rmsnorm_fp8(x, gamma, config)
+        else:
+            out = swiglu_fp8(x, config, probs, row_mask)
         return out.data, out.scale_inv, out.data_t, out.scale_inv_t
 
     calls = []
-    module = quantization_impl if op_name == "quantize_fp8_with_trans" else rmsnorm_impl
+    module = {
+        "quantize_fp8_with_trans": quantization_impl,
+        "rmsnorm_fp8": rmsnorm_impl,
+        "swiglu_fp8": gated_act_impl,
+    }[op_name]
 
     def spy(*args, **kwargs):
         calls.append(args[1])
