@@ -2,13 +2,11 @@
 (``torch.ops.primus_turbo_cpp_extension.fp8_dual_block_emit``).
 
 Its persistent blocks stream the next 128 x 128 tile into shared memory while they quantize the current
-one, with outputs bit-identical to the Triton tiles. On H200 (CUDA graphs, inputs rotated past L2) a plain
-quantization ran at 0.70-0.73 of a same-size copy against 0.54-0.56 for Triton, and ``rmsnorm_fp8`` with
-both 1 x 128 copies 7-15% faster (16384 x 8192: 330 -> 282 us). Its gated producer (``PRODUCER_GATED``)
-measured slower than the Triton tiles (SwiGLU both copies: 0.72x-0.83x of the unfused pair against
-1.03x-1.08x), so ``swiglu_fp8`` / ``geglu_fp8`` stay on Triton; the op keeps it, tested, for tuning. The
-kernel needs 16-byte aligned rows, so callers fall back to Triton elsewhere (and on ROCm, where the op is
-not built).
+one, with outputs bit-identical to the Triton tiles. On H200 (CUDA graphs, inputs rotated past L2) it ran
+at 0.83-0.85 of a same-size copy for a plain quantization (Triton: 0.55-0.57), 0.70-0.77 for RMSNorm's
+tiles given rstd and 0.52-0.77 for SwiGLU (Triton: 0.48-0.56), so ``quantize_fp8_with_trans``,
+``rmsnorm_fp8`` and ``swiglu_fp8`` / ``geglu_fp8`` with both 1 x 128 copies use it. It needs 16-byte
+aligned rows, so callers fall back to Triton elsewhere (and on ROCm, where the op is not built).
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ def _op_runs_on(device_index: int) -> bool:
 
 
 def dual_block_cuda_usable(x: torch.Tensor, fp8_dtype: torch.dtype, block: int) -> bool:
-    """True when the CUDA kernel can write both 1 x ``block`` copies of a copy or RMSNorm of 2-D ``x``
-    (rows, K): the op is built, 128-blocks, a bf16/fp16 input with 16-byte aligned rows, K % 8 == 0 and
-    rows % 16 == 0."""
+    """True when the CUDA kernel can read 2-D ``x`` (rows, K) for both 1 x ``block`` copies: the op is
+    built, 128-blocks, a bf16/fp16 input with 16-byte aligned rows, K % 8 == 0 and rows % 16 == 0 (a gated
+    input also needs each half 16-byte aligned, which its caller checks)."""
     return (
         block == _BLOCK
         and x.is_cuda
