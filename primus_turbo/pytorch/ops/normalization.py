@@ -51,7 +51,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2d, gamma, rstd = ctx.saved_tensors
         dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), x2d, gamma, rstd, ctx.zero_centered)
-        return dx.view(dy.shape), dgamma.to(gamma.dtype), None, None
+        return dx.view(dy.shape), dgamma, None, None
 
 
 class _RMSNormFp8Function(torch.autograd.Function):
@@ -78,7 +78,7 @@ class _RMSNormFp8Function(torch.autograd.Function):
     def backward(ctx, dy, *_):
         x2d, gamma, rstd = ctx.saved_tensors
         dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), x2d, gamma, rstd, ctx.zero_centered)
-        return dx.view(dy.shape), dgamma.to(gamma.dtype), *(None,) * 6
+        return dx.view(dy.shape), dgamma, *(None,) * 6
 
 
 class _RMSNormResidualFunction(torch.autograd.Function):
@@ -99,7 +99,7 @@ class _RMSNormResidualFunction(torch.autograd.Function):
         ds2d = _rows(ds) if ds is not None else None
         dx, dgamma = call_op(rmsnorm_bwd_impl, _rows(dy), s, gamma, rstd, ctx.zero_centered, ds2d)
         dx = dx.view(dy.shape)
-        return dx, dx, dgamma.to(gamma.dtype), None, None
+        return dx, dx, dgamma, None, None
 
 
 def _check(x: torch.Tensor, gamma: torch.Tensor, eps: float, zero_centered: bool) -> None:

@@ -39,6 +39,7 @@ _BWD_ELEMENTS_PER_BLOCK = 8192
 _BWD_PROGRAMS_PER_SM = 1
 _BWD_STAGES = 3
 _BWD_SMEM_RESERVE = 16 * 1024  # the row reductions' scratch
+_FINISH_ELEMENTS = 16384  # partials each program of the dgamma sum loads at once
 # The FP8 producer's first pass reads x once, pipelined like the backward; the second runs tiles. Two
 # programs per SM ran the first pass 10-15% faster on H200, except with column amaxes: their atomics
 # then double, and at 4096 tokens one program per SM was 20% faster.
@@ -188,6 +189,19 @@ def _rmsnorm_bwd_kernel(
         )
         dgamma += tl.sum(dy * s_hat, axis=0)
     tl.store(dgamma_partial_ptr + pid * BLOCK_H + cols, dgamma, mask=col_ok)
+
+
+@triton.jit
+def _dgamma_finish_kernel(
+    partial_ptr, dgamma_ptr, programs, H, stride, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """dgamma = the sum of the backward's per-program partials (one load of all of them per column block,
+    a fixed reduction order), written in gamma's dtype: one small kernel instead of a sum and a cast."""
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = tl.arange(0, BLOCK_P)
+    mask = (rows < programs)[:, None] & (cols < H)[None, :]
+    partial = tl.load(partial_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    tl.store(dgamma_ptr + cols, tl.sum(partial, axis=0).to(dgamma_ptr.dtype.element_ty), mask=cols < H)
 
 
 @triton.jit
@@ -486,14 +500,14 @@ def rmsnorm_bwd_triton(
     launch: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dgamma)`` of 2-D ``dy``/``s`` (rows, H), plus ``ds`` (the gradient of s itself, rows x H)
-    when given; ``dgamma`` in fp32, summed in a fixed order. ``launch`` overrides (rows per block, warps,
-    programs per SM, pipeline stages), for tuning."""
+    when given; ``dgamma`` summed in fp32 in a fixed order and returned in gamma's dtype. ``launch``
+    overrides (rows per block, warps, programs per SM, pipeline stages), for tuning."""
     n_rows, hidden = s.shape
     dx = torch.empty((n_rows, hidden), dtype=s.dtype, device=s.device)
     if n_rows == 0 or hidden == 0:
         if ds is not None:
             dx.copy_(ds)
-        return dx, torch.zeros(hidden, dtype=torch.float32, device=s.device)
+        return dx, torch.zeros(hidden, dtype=gamma.dtype, device=s.device)
     block_h = triton.next_power_of_2(hidden)
     rows_per_program = max(1, min(16, _BWD_ELEMENTS_PER_BLOCK // block_h))
     warps = 8 if block_h * rows_per_program <= _BWD_ELEMENTS_PER_BLOCK else 16
@@ -525,4 +539,10 @@ def rmsnorm_bwd_triton(
         NUM_STAGES=stages,
         num_warps=warps,
     )
-    return dx, partial[:, :hidden].sum(dim=0)
+    dgamma = torch.empty(hidden, dtype=gamma.dtype, device=s.device)
+    block_p = triton.next_power_of_2(programs)
+    finish_h = max(16, _FINISH_ELEMENTS // block_p)
+    _dgamma_finish_kernel[(triton.cdiv(hidden, finish_h),)](
+        partial, dgamma, programs, hidden, partial.stride(0), BLOCK_P=block_p, BLOCK_H=finish_h, num_warps=8
+    )
+    return dx, dgamma

@@ -68,13 +68,14 @@ def rmsnorm_bwd_reference(
     zero_centered: bool,
     ds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dgamma)``; dgamma in fp32; ``ds`` (the gradient of s itself) is added to dx in fp32."""
+    """``(dx, dgamma)``, dgamma summed in fp32 and returned in gamma's dtype; ``ds`` (the gradient of s
+    itself) is added to dx in fp32."""
     s_hat = s.float() * rstd[:, None]
     wdy = _weight(gamma, zero_centered) * dy.float()
     dx = rstd[:, None] * (wdy - s_hat * (s_hat * wdy).mean(dim=-1, keepdim=True))
     if ds is not None:
         dx = dx + ds.float()
-    return dx.to(s.dtype).contiguous(), (dy.float() * s_hat).sum(dim=0)
+    return dx.to(s.dtype).contiguous(), (dy.float() * s_hat).sum(dim=0).to(gamma.dtype)
 
 
 def _fwd(x, gamma, eps, zero_centered, residual):
@@ -120,8 +121,9 @@ def rmsnorm_bwd_impl(
     zero_centered: bool,
     ds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dgamma)`` with dgamma in fp32, reduced over rows in a fixed order; ``ds``, the gradient
-    of the residual sum s itself (rmsnorm_residual), joins dx in the same pass."""
+    """``(dx, dgamma)``, dgamma reduced over rows in fp32 in a fixed order and returned in gamma's dtype
+    (the gradient autograd hands gamma); ``ds``, the gradient of the residual sum s itself
+    (rmsnorm_residual), joins dx in the same pass."""
     if _use_triton(s):
         return rmsnorm_bwd_triton(dy, s, gamma, rstd, zero_centered, ds)
     return rmsnorm_bwd_reference(dy, s, gamma, rstd, zero_centered, ds)
@@ -129,7 +131,7 @@ def rmsnorm_bwd_impl(
 
 @rmsnorm_bwd_impl.register_fake
 def _rmsnorm_bwd_fake(dy, s, gamma, rstd, zero_centered, ds=None):
-    return torch.empty(s.shape, dtype=s.dtype, device=s.device), s.new_empty(s.shape[1], dtype=torch.float32)
+    return torch.empty(s.shape, dtype=s.dtype, device=s.device), s.new_empty(s.shape[1], dtype=gamma.dtype)
 
 
 @custom_op("primus_turbo::rmsnorm_fp8_fwd", mutates_args=())
