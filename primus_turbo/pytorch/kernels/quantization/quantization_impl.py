@@ -245,21 +245,17 @@ def to_block_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
-def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, block: int, mx: bool):
+def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block: int):
     """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe): the C++
-    kernel where it runs (``dual_block_cuda``), else Triton."""
-    m, k = x.shape
-    scale_dtype = torch.uint8 if mx else torch.float32
-    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
-    q_t = torch.empty((k, m), dtype=out_dtype, device=x.device)
-    scale = _block_major_empty(m, -(-k // block), scale_dtype, x.device)
-    scale_t = _block_major_empty(k, -(-m // block), scale_dtype, x.device)
-    if not mx and dual_block_cuda_usable(x, out_dtype, block):
+    kernel where it runs (``dual_block_cuda``), else Triton (which stores MX scales as raw bytes)."""
+    q, scale, q_t, scale_t = with_trans_empty(*x.shape, out_dtype, granularity, block, False, x.device)
+    if granularity != _MX and dual_block_cuda_usable(x, out_dtype, block):
         dual_block_cuda(x, PRODUCER_COPY, q, scale, q_t, scale_t)
+    elif granularity == _MX:
+        raw = (scale.view(torch.uint8), scale_t.view(torch.uint8))
+        quantize_fp8_dual_blocks_triton(x, q, raw[0], q_t, raw[1], block, mx_emax(out_dtype))
     else:
-        quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, mx_emax(out_dtype) if mx else None)
-    if mx:
-        scale, scale_t = scale.view(torch.float8_e8m0fnu), scale_t.view(torch.float8_e8m0fnu)
+        quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, None)
     return q, scale, q_t, scale_t
 
 
@@ -271,7 +267,7 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
         q_t = transpose_2d_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
         return q, scale, q_t, scale.t().clone(memory_format=contiguous)
     if triton_path and granularity in (_BLOCKWISE, _MX):
-        return _with_trans_blocks(x, out_dtype, block_size, granularity == _MX)
+        return _with_trans_blocks(x, out_dtype, granularity, block_size)
     q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
     groups = _groups(x.shape, granularity, block_size, 1, block_2d)
     q_t = torch.empty((x.shape[1], x.shape[0]), dtype=out_dtype, device=x.device)
