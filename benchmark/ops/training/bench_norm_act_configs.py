@@ -33,10 +33,20 @@ from benchmark.ops.training.bench_utils import (
 LOG = logging.getLogger("bench_norm_act_configs")
 
 # rows per block, warps, programs per SM, pipeline stages
-RMSNORM_BWD_CANDIDATES = [None, (1, 8, 1, 3), (2, 8, 1, 3), (1, 8, 1, 4), (1, 16, 1, 3), (1, 8, 2, 3)]
-# rows per program, BLOCK_H, warps
+RMSNORM_BWD_CANDIDATES = [
+    None,
+    (1, 8, 1, 3),
+    (2, 8, 1, 3),
+    (1, 8, 1, 4),
+    (1, 16, 1, 3),
+    (1, 8, 2, 3),
+    (1, 4, 2, 3),
+    (1, 8, 1, 2),
+]
+# the flat forward: elements per program, warps
 GATED_FWD_CANDIDATES = [None, (2048, 8), (4096, 8), (8192, 8)]
-GATED_BWD_CANDIDATES = [None, (2, 2048, 8), (1, 2048, 4), (1, 1024, 4)]
+# the backward: rows per program, BLOCK_H, warps (512-wide chunks divide 1536 and 3584 exactly)
+GATED_BWD_CANDIDATES = [None, (2, 2048, 8), (1, 2048, 4), (1, 1024, 4), (2, 512, 4), (4, 512, 4)]
 HIDDEN = (4096, 7168, 8192)  # RMSNorm: Llama-3-8B, DeepSeek-V3, Qwen2.5-72B
 WIDTH = (1536, 2048, 3584)  # activations: Qwen3-235B and DeepSeek-V3 experts, Llama-3-8B / TP 4
 
