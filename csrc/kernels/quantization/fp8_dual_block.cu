@@ -244,9 +244,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_dual_block_kernel(co
                 raw[input][i] = *reinterpret_cast<const uint4 *>(&smem.input[input][row_local + i][col_local]);
             }
         }
-        // each thread reads only its own pieces of the buffer, so once those reads are done (the warp
-        // barrier orders them) the next tile streams in over this one's math and stores
-        __syncwarp();
+        // each thread reads only its own pieces of the buffer, so the next tile streams in over this one's
+        // math and stores (its copies follow these reads in program order; see copy_async16)
         if (tile + gridDim.x < tiles) prefetch(tile + gridDim.x, next);
 
         unsigned y[kSpan][kWords];
@@ -377,8 +376,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fp8_dual_block_kernel(co
             }
             q_t += kColumnsPerPass * M;
         }
-        // no barrier here: the next tile writes the staging buffers only after its own first barrier, which
-        // every thread reaches after these reads
+        // no barrier here: the next tile writes column_bits after this tile's last two barriers (past their
+        // reads), column_multiplier and transposed only after its own first and second barriers, which
+        // every thread reaches after this tile's reads
     }
 }
 
