@@ -249,11 +249,11 @@ def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, granularity: int
     """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe): the C++
     kernel where it runs (``dual_block_cuda``), else Triton (which stores MX scales as raw bytes)."""
     q, scale, q_t, scale_t = with_trans_empty(*x.shape, out_dtype, granularity, block, False, x.device)
-    if granularity != _MX and dual_block_cuda_usable(x, out_dtype, block):
-        dual_block_cuda(x, PRODUCER_COPY, q, scale, q_t, scale_t)
-    elif granularity == _MX:
+    if granularity == _MX:
         raw = (scale.view(torch.uint8), scale_t.view(torch.uint8))
         quantize_fp8_dual_blocks_triton(x, q, raw[0], q_t, raw[1], block, mx_emax(out_dtype))
+    elif dual_block_cuda_usable(x, out_dtype, block):
+        dual_block_cuda(x, PRODUCER_COPY, q, scale, q_t, scale_t)
     else:
         quantize_fp8_dual_blocks_triton(x, q, scale, q_t, scale_t, block, None)
     return q, scale, q_t, scale_t
