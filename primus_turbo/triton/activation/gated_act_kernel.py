@@ -19,7 +19,9 @@ from primus_turbo.triton.quantization.fp8_emit import (
     EMIT_ROW,
     EMIT_TENSOR,
     emit_fp8_tile,
+    emit_grid,
     emit_launch,
+    emit_tile,
     record_tile_amax,
     scale_strides,
 )
@@ -241,6 +243,7 @@ def _gated_emit_kernel(
     HAS_PROBS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     STATS: tl.constexpr,
+    REVERSE: tl.constexpr,
     MODE: tl.constexpr,
     DUAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -250,10 +253,9 @@ def _gated_emit_kernel(
     CAST_SATURATES: tl.constexpr,
 ):
     """One TILE x TILE tile of the output, as stored: with STATS folded into the tensor or row and
-    column amaxes (``record_tile_amax``), else quantized by ``emit_fp8_tile``. Addresses are 32-bit
-    offsets from the tile's corner."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    column amaxes (``record_tile_amax``), else quantized by ``emit_fp8_tile``; REVERSE after a STATS
+    pass. Addresses are 32-bit offsets from the tile's corner."""
+    pid_m, pid_k = emit_tile(H, TILE, REVERSE)
     r = tl.arange(0, TILE)
     rows = pid_m.to(tl.int64) * TILE + r
     cols = pid_k * TILE + r
@@ -426,7 +428,7 @@ def gated_act_fp8_triton(
     tile, warps = emit_launch(group if mode == EMIT_BLOCK else 0)
     passes = (True, False) if mode != EMIT_BLOCK else (False,)
     for stats in passes:
-        _gated_emit_kernel[(triton.cdiv(n_rows, tile), triton.cdiv(hidden, tile))](
+        _gated_emit_kernel[emit_grid(n_rows, hidden, tile)](
             x,
             probs if probs is not None else x,
             row_mask if row_mask is not None else x,
@@ -446,6 +448,7 @@ def gated_act_fp8_triton(
             HAS_PROBS=probs is not None,
             HAS_MASK=row_mask is not None,
             STATS=stats,
+            REVERSE=len(passes) == 2 and not stats,
             MODE=mode,
             DUAL=dual,
             FP8_MAX=torch.finfo(q.dtype).max,

@@ -22,7 +22,9 @@ from primus_turbo.triton.quantization.fp8_emit import (
     EMIT_TENSOR,
     amax_bits,
     emit_fp8_tile,
+    emit_grid,
     emit_launch,
+    emit_tile,
     scale_strides,
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _nan_max, _saturate
@@ -284,10 +286,9 @@ def _rmsnorm_emit_kernel(
     TILE: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
 ):
-    """Second pass: one TILE x TILE tile of y from x and the stored rstd, quantized by ``emit_fp8_tile``.
-    Addresses are 32-bit offsets from the tile's corner."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    """Second pass: one TILE x TILE tile of y from x and the stored rstd, quantized by ``emit_fp8_tile``,
+    last rows first (the stats pass ends on them). Addresses are 32-bit offsets from the tile's corner."""
+    pid_m, pid_k = emit_tile(H, TILE, True)
     r = tl.arange(0, TILE)
     rows = pid_m.to(tl.int64) * TILE + r
     cols = pid_k * TILE + r
@@ -461,7 +462,7 @@ def rmsnorm_fp8_triton(
     _stats_pass(x, gamma, eps, zero_centered, mode, rstd, amax, row_amax, col_amax)
     tile, emit_warps = emit_launch(group if mode == EMIT_BLOCK else 0)
     dual = q_t is not None
-    _rmsnorm_emit_kernel[(triton.cdiv(n_rows, tile), triton.cdiv(hidden, tile))](
+    _rmsnorm_emit_kernel[emit_grid(n_rows, hidden, tile)](
         x,
         gamma,
         rstd,

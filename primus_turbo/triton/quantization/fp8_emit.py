@@ -35,7 +35,9 @@ __all__ = [
     "EMIT_TENSOR",
     "amax_bits",
     "emit_fp8_tile",
+    "emit_grid",
     "emit_launch",
+    "emit_tile",
     "record_tile_amax",
     "scale_strides",
 ]
@@ -52,6 +54,18 @@ _WARPS_PER_TILE = {64: 4, 128: 8}
 def amax_bits(mag, AXIS: tl.constexpr):
     """NaN-propagating maximum of non-negative ``mag`` along AXIS, as int32 bits for atomic max."""
     return tl.reduce(mag, AXIS, _nan_max).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def emit_tile(H, TILE: tl.constexpr, REVERSE: tl.constexpr):
+    """(pid_m, pid_k) of this program in a 1-D grid (``emit_grid``) over the TILE x TILE tiles in row-major
+    order. A second pass over the same input sets REVERSE and starts on the rows the first pass read
+    last: on H200 (60 MB of L2) a 4096-token input is still largely in L2 then."""
+    tiles_k = tl.cdiv(H, TILE)
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid // tiles_k, pid % tiles_k
 
 
 @triton.jit
@@ -194,6 +208,11 @@ def scale_strides(scale) -> tuple[int, int]:
     """(per-row, per-group) strides of a scale tensor: () tensorwise, (rows, 1) or (rows, groups)."""
     strides = tuple(scale.stride()) + (0, 0)
     return strides[0], strides[1]
+
+
+def emit_grid(rows: int, hidden: int, tile: int) -> tuple[int]:
+    """The 1-D grid of a kernel that places its programs with ``emit_tile``."""
+    return (triton.cdiv(rows, tile) * triton.cdiv(hidden, tile),)
 
 
 def emit_launch(group: int) -> tuple[int, int]:
