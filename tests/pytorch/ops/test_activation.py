@@ -23,7 +23,7 @@ from tests.pytorch.test_utils import DEVICES, assert_fused_fp8_output, get_toler
 
 DEVICE = DEVICES[0]
 ON_GPU = DEVICE == "cuda"
-SHAPES = [(7, 2 * 96), (3, 2 * 2880), (2, 2 * 3584), (0, 64), (5, 2 * 1)]
+SHAPES = [(7, 2 * 96), (3, 2 * 2880), (2, 2 * 3584), (2, 2 * 1536), (0, 64), (5, 2 * 1)]
 if ON_GPU:
     SHAPES += [(8192, 2 * 8192), (4096, 2 * 7168)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
