@@ -38,12 +38,15 @@ constexpr int kSpan = 8;   // a thread owns kSpan rows x kSpan columns of a tile
 constexpr int kPitch = kTile + 8; // elements per staged input row: 16-byte aligned, rows 4 banks apart
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Triton's fp32 exp and division lower to ex2.approx (after a multiply by -log2 e) and div.full; the same
-// instructions here keep the gated output bit-identical to the Triton kernels'.
+// The Triton gated kernels' sigmoid on NVIDIA, the same PTX: exp(-a) as ex2.approx.ftz of a * -log2 e, then
+// rcp.approx.ftz of 1 + that (flushing a subnormal exp changes nothing: 1 + it rounds to 1), so the gated
+// output stays bit-identical to theirs.
 __device__ __forceinline__ float fast_sigmoid(float a) {
-    float e, s;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(a * -1.4426950408889634f));
-    asm("div.full.f32 %0, %1, %2;" : "=f"(s) : "f"(1.0f), "f"(1.0f + e));
+    float s;
+    asm("{\n\t.reg .f32 t;\n\tmul.f32 t, %1, 0fBFB8AA3B;\n\tex2.approx.ftz.f32 t, t;\n\t"
+        "add.f32 t, t, 0f3F800000;\n\trcp.approx.ftz.f32 %0, t;\n\t}"
+        : "=f"(s)
+        : "f"(a));
     return s;
 }
 

@@ -26,7 +26,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
     scale_strides,
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
-from primus_turbo.triton.utils.device_info import fp8_cast_saturates
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates, interpreter_active
 
 __all__ = ["GELU_TANH", "SILU", "gated_act_bwd_triton", "gated_act_fp8_triton", "gated_act_fwd_triton"]
 
@@ -35,14 +35,34 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_COEF = tl.constexpr(0.044715)
 
 
+# On NVIDIA GPUs the sigmoid is four PTX instructions: exp(-a) as ex2.approx.ftz of a * -log2 e, then
+# rcp.approx.ftz of 1 + that (within an ulp or two of fp32), instead of the denormal-range checks of
+# tl.exp and div.full; a flushed subnormal exp changes nothing, as 1 + it rounds to 1. The C++
+# dual-block kernel runs the same PTX, so its copies stay bit-identical to these kernels'. ROCm and the
+# interpreter take tl.sigmoid.
+_PTX_SIGMOID = tl.constexpr(torch.version.hip is None and not interpreter_active())
+_SIGMOID_PTX = tl.constexpr(
+    "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+    "add.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }"
+)
+
+
+@triton.jit
+def _sigmoid(a):
+    """1 / (1 + exp(-a)) in fp32."""
+    if _PTX_SIGMOID:
+        return tl.inline_asm_elementwise(_SIGMOID_PTX, "=r,r", [a], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.sigmoid(a)
+
+
 @triton.jit
 def _act_and_grad(a, ACT: tl.constexpr):
     """(act(a), act'(a)) in fp32."""
     if ACT == 0:
-        sig = tl.sigmoid(a)
+        sig = _sigmoid(a)
         return a * sig, sig * (1.0 + a * (1.0 - sig))
     inner = _SQRT_2_OVER_PI * (a + _GELU_COEF * a * a * a)
-    t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    t = 2.0 * _sigmoid(2.0 * inner) - 1.0
     grad = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_COEF * a * a)
     return 0.5 * a * (1.0 + t), grad
 
@@ -364,6 +384,8 @@ def _bwd_launch_shape(hidden: int, has_probs: bool) -> tuple[int, int, int]:
     if has_probs and hidden % 512 == 0 and 4 * (padded - hidden) >= padded:
         return 2, 512, 4
     return rows, block_h, warps
+
+
 _WHOLE_ROW_MAX = 4096
 
 
