@@ -3,8 +3,9 @@
 
 Its persistent blocks stream the next 128 x 128 tile into shared memory while they quantize the current
 one, with outputs bit-identical to the Triton tiles. On H200 (CUDA graphs, inputs rotated past L2) it ran
-at 0.83-0.85 of a same-size copy for a plain quantization (Triton: 0.55-0.57), 0.70-0.77 for RMSNorm's
-tiles given rstd and 0.52-0.77 for SwiGLU (Triton: 0.48-0.56), so ``quantize_fp8_with_trans``,
+at 0.83-0.85 of a same-size copy for a plain quantization (Triton: 0.54-0.56), 0.51-0.55 for RMSNorm
+with its rstd pass (Triton: 0.35-0.39) and 0.58-0.80 for SwiGLU (Triton: 0.39-0.41), so
+``quantize_fp8_with_trans``,
 ``rmsnorm_fp8`` and ``swiglu_fp8`` / ``geglu_fp8`` with both 1 x 128 copies use it. It needs 16-byte
 aligned rows, so callers fall back to Triton elsewhere (and on ROCm, where the op is not built).
 """
