@@ -119,6 +119,66 @@ void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void fp8_rmsnorm_dual_block_cuda(const at::Tensor &x, const at::Tensor &gamma, double eps, bool zero_centered,
+                                 const at::Tensor &rstd, const at::Tensor &q, const at::Tensor &scale,
+                                 const at::Tensor &q_t, const at::Tensor &scale_t) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, kOp,
+                "x must be a 2-D CUDA tensor with unit column stride");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, kOp,
+                "x must be bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.size(1) <= kRmsNormSingleReadCols, kOp, "the single-read RMSNorm takes rows of at most ",
+                kRmsNormSingleReadCols, " elements, got ", x.size(1));
+    const int64_t rows = x.size(0);
+    const int64_t cols = x.size(1);
+    const auto fp8 = q.scalar_type();
+    TORCH_CHECK(fp8 == at::kFloat8_e4m3fn || fp8 == at::kFloat8_e5m2, kOp,
+                "q must be float8_e4m3fn or float8_e5m2, got ", fp8);
+    TORCH_CHECK(q_t.scalar_type() == fp8, kOp, "q_t must have q's dtype");
+    TORCH_CHECK(q.is_contiguous() && q.sizes() == at::IntArrayRef({rows, cols}), kOp, "q must be contiguous (", rows,
+                ", ", cols, ")");
+    TORCH_CHECK(q_t.is_contiguous() && q_t.sizes() == at::IntArrayRef({cols, rows}), kOp, "q_t must be contiguous (",
+                cols, ", ", rows, ")");
+    check_scale(scale, rows, (cols + kBlock - 1) / kBlock, "scale");
+    check_scale(scale_t, cols, (rows + kBlock - 1) / kBlock, "scale_t");
+    check_row_vector(gamma, x, cols, "gamma");
+    check_row_vector(rstd, x, rows, "rstd");
+    TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == x.scalar_type(), kOp,
+                "gamma must be float32 or x's dtype");
+    TORCH_CHECK(rstd.scalar_type() == at::kFloat, kOp, "rstd must be float32");
+    TORCH_CHECK(aligned16(x) && x.stride(0) % 8 == 0 && cols % 8 == 0 && rows % 16 == 0 && aligned16(q) &&
+                    aligned16(q_t),
+                kOp, "needs 16-byte aligned rows: x's data and row stride, K % 8 == 0 and M % 16 == 0, got x ",
+                x.sizes(), " with row stride ", x.stride(0));
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    DualBlockParams params{};
+    params.x = x.const_data_ptr();
+    params.stride_x = x.stride(0);
+    params.rows = rows;
+    params.cols = cols;
+    params.gamma = gamma.const_data_ptr();
+    params.gamma_fp32 = gamma.scalar_type() == at::kFloat;
+    params.zero_centered = zero_centered;
+    params.eps = static_cast<float>(eps);
+    params.rstd_out = rstd.data_ptr<float>();
+    params.q = q.data_ptr();
+    params.scale = scale.data_ptr<float>();
+    params.scale_row_stride = scale.stride(0);
+    params.scale_block_stride = scale.stride(1);
+    params.q_t = q_t.data_ptr();
+    params.scale_t = scale_t.data_ptr<float>();
+    params.scale_t_row_stride = scale_t.stride(0);
+    params.scale_t_block_stride = scale_t.stride(1);
+    const bool launched = launch_fp8_rmsnorm_dual_block(
+        params, x.scalar_type() == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16,
+        fp8 == at::kFloat8_e4m3fn ? Fp8Kind::kE4M3 : Fp8Kind::kE5M2, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(launched, kOp, "no thread-block cluster of 8 or 16 blocks fits ", x.device(),
+                " (needs sm_90+); use the rstd pass and fp8_dual_block_emit");
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void fp8_rmsnorm_dual_block_meta(const at::Tensor &, const at::Tensor &, double, bool, const at::Tensor &,
+                                 const at::Tensor &, const at::Tensor &, const at::Tensor &, const at::Tensor &) {}
+
 // Nothing to compute for meta/fake tensors: the op only writes its mutable arguments.
 void fp8_dual_block_emit_meta(const at::Tensor &, const c10::optional<at::Tensor> &,
                               const c10::optional<at::Tensor> &, const c10::optional<at::Tensor> &,
@@ -135,12 +195,18 @@ TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
           "int producer, int act, bool zero_centered, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) q_t, "
           "Tensor(d!) scale_t) -> ()",
           {at::Tag::pt2_compliant_tag});
+    // RMSNorm's two 1 x 128 copies with rstd (written to rstd) from the same single read of x (K <= 4096).
+    m.def("fp8_rmsnorm_dual_block(Tensor x, Tensor gamma, float eps, bool zero_centered, Tensor(a!) rstd, "
+          "Tensor(b!) q, Tensor(c!) scale, Tensor(d!) q_t, Tensor(e!) scale_t) -> ()",
+          {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) {
     m.impl("fp8_dual_block_emit", &primus_turbo::fp8_dual_block_emit_cuda);
+    m.impl("fp8_rmsnorm_dual_block", &primus_turbo::fp8_rmsnorm_dual_block_cuda);
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, Meta, m) {
     m.impl("fp8_dual_block_emit", &primus_turbo::fp8_dual_block_emit_meta);
+    m.impl("fp8_rmsnorm_dual_block", &primus_turbo::fp8_rmsnorm_dual_block_meta);
 }

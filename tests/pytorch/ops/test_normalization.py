@@ -171,7 +171,9 @@ FUSED_CONFIGS = {
 
 @pytest.mark.parametrize("columnwise", [True, False], ids=["dual", "rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("shape", [(6, 96), (5, 2880), (0, 64)] + ([(4096, 7168)] if ON_GPU else []), ids=str)
+@pytest.mark.parametrize(
+    "shape", [(6, 96), (5, 2880), (0, 64)] + ([(4096, 7168), (4096, 4096)] if ON_GPU else []), ids=str
+)
 @pytest.mark.parametrize("name", list(FUSED_CONFIGS))
 def test_rmsnorm_fp8_equals_quantizing_the_unfused_output(name, shape, dtype, columnwise):
     config = FUSED_CONFIGS[name]

@@ -11,6 +11,8 @@ from primus_turbo.pytorch.kernels.quantization.dual_block_cuda import (
     PRODUCER_RMSNORM,
     dual_block_cuda,
     dual_block_cuda_usable,
+    rmsnorm_single_read_cuda,
+    rmsnorm_single_read_usable,
 )
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     EMIT_MODES,
@@ -155,7 +157,11 @@ def rmsnorm_fp8_fwd_impl(
     q, scale, q_t, scale_t = fp8_producer_empty(
         x.shape, fp8_dtype, granularity, block_size, columnwise, x.device
     )
-    if columnwise and EMIT_MODES[granularity] == EMIT_BLOCK and _cuda_tiles(x, gamma, fp8_dtype, block_size):
+    both_blocks = columnwise and EMIT_MODES[granularity] == EMIT_BLOCK
+    if both_blocks and rmsnorm_single_read_usable(x, gamma, fp8_dtype, block_size):
+        rstd = rmsnorm_single_read_cuda(x, gamma, eps, zero_centered, q, scale, q_t, scale_t)
+        return rstd, q, scale, q_t, scale_t
+    if both_blocks and _cuda_tiles(x, gamma, fp8_dtype, block_size):
         rstd = rmsnorm_rstd_triton(x, gamma, eps, zero_centered)
         dual_block_cuda(x, PRODUCER_RMSNORM, q, scale, q_t, scale_t, gamma, rstd, zero_centered)
         return rstd, q, scale, q_t, scale_t
