@@ -5,9 +5,10 @@ Its persistent blocks stream the next 128 x 128 tile into shared memory while th
 one, with outputs bit-identical to the Triton tiles. On H200 (CUDA graphs, inputs rotated past L2) it ran
 at 0.83-0.85 of a same-size copy for a plain quantization (Triton: 0.54-0.56), 0.51-0.55 for RMSNorm
 with its rstd pass (Triton: 0.35-0.39) and 0.58-0.80 for SwiGLU (Triton: 0.39-0.41), so
-``quantize_fp8_with_trans``,
-``rmsnorm_fp8`` and ``swiglu_fp8`` / ``geglu_fp8`` with both 1 x 128 copies use it. It needs 16-byte
-aligned rows, so callers fall back to Triton elsewhere (and on ROCm, where the op is not built).
+``quantize_fp8_with_trans``, ``rmsnorm_fp8`` and ``swiglu_fp8`` / ``geglu_fp8`` with both 1 x 128 copies
+use it. It needs 16-byte aligned rows, so callers fall back to Triton elsewhere (and on ROCm, where the
+op is not built). RMSNorm rows of at most 4096 elements skip the rstd pass on sm_90
+(``rmsnorm_single_read_cuda``).
 """
 
 from __future__ import annotations
@@ -99,18 +100,11 @@ def _clusters_run_on(device_index: int) -> bool:
     )
 
 
-def rmsnorm_single_read_usable(
-    x: torch.Tensor, gamma: torch.Tensor, fp8_dtype: torch.dtype, block: int
-) -> bool:
-    """True when ``rmsnorm_single_read_cuda`` can take 2-D ``x``: as ``dual_block_cuda_usable``, rows of at
-    most 4096 elements, gamma contiguous on x's device in fp32 or x's dtype, and a GPU with clusters."""
-    return (
-        dual_block_cuda_usable(x, fp8_dtype, block)
-        and x.shape[1] <= _SINGLE_READ_COLS
-        and gamma.dtype in (torch.float32, x.dtype)
-        and gamma.is_contiguous()
-        and gamma.device == x.device
-        and _clusters_run_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
+def rmsnorm_single_read_usable(x: torch.Tensor) -> bool:
+    """True when ``rmsnorm_single_read_cuda`` can take 2-D ``x`` that ``dual_block_cuda`` takes for
+    RMSNorm: rows of at most 4096 elements on a GPU with thread-block clusters."""
+    return x.shape[1] <= _SINGLE_READ_COLS and _clusters_run_on(
+        x.device.index if x.device.index is not None else torch.cuda.current_device()
     )
 
 
