@@ -574,37 +574,56 @@ void launch_typed(const DualBlockParams &params, DualBlockProducer producer, int
 // blocks of four tiles (K 7168-8192: one block per SM) were slower than the two passes.
 template <typename T, int FP8_KIND>
 bool launch_rmsnorm_cluster(const DualBlockParams &params, cudaStream_t stream) {
+    constexpr int kMaxDevices = 64;
+    constexpr int64_t kMaxTilesK = kRmsNormSingleReadCols / kTile;
+    constexpr size_t kTileBytes = sizeof(T[kTile][kPitch]);
     auto kernel = fp8_rmsnorm_cluster_kernel<T, FP8_KIND>;
     const int64_t tiles_k = (params.cols + kTile - 1) / kTile;
     const int64_t strips = (params.rows + kTile - 1) / kTile;
-    for (const int size : {16, 8}) {
-        const int blocks = static_cast<int>(std::min<int64_t>(size, tiles_k));
-        const size_t smem = sizeof(ClusterShared) + ((tiles_k + blocks - 1) / blocks) * sizeof(T[kTile][kPitch]);
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, blocks > 8 ? 1 : 0);
-        cudaLaunchAttribute attribute{};
-        attribute.id = cudaLaunchAttributeClusterDimension;
+    int device = 0;
+    cudaGetDevice(&device);
+    if (tiles_k > kMaxTilesK || device >= kMaxDevices) return false;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    auto shape = [&](int blocks) {
         attribute.val.clusterDim.x = blocks;
-        attribute.val.clusterDim.y = 1;
-        attribute.val.clusterDim.z = 1;
-        cudaLaunchConfig_t config{};
-        config.attrs = &attribute;
-        config.numAttrs = 1;
-        config.blockDim = dim3(kThreads);
-        config.gridDim = dim3(static_cast<unsigned>(blocks * strips));
-        config.dynamicSmemBytes = smem;
-        config.stream = stream;
+        config.dynamicSmemBytes = sizeof(ClusterShared) + ((tiles_k + blocks - 1) / blocks) * kTileBytes;
+    };
+    // cluster size (-1: none fits) and resident clusters per device and row width, found on the first
+    // launch there (idempotent, so a race only repeats it)
+    static int found[kMaxDevices][kMaxTilesK + 1][2] = {};
+    int *cached = found[device][tiles_k];
+    if (cached[0] == 0) {
+        // at most four tiles a block (clusters of 8 at K = 4096)
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(sizeof(ClusterShared) + 4 * kTileBytes));
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        int blocks = -1;
         int resident = 0;
-        if (cudaOccupancyMaxActiveClusters(&resident, kernel, &config) != cudaSuccess || resident == 0) {
+        for (const int size : {16, 8}) {
+            shape(static_cast<int>(std::min<int64_t>(size, tiles_k)));
+            config.gridDim = dim3(attribute.val.clusterDim.x * static_cast<unsigned>(strips));
+            if (cudaOccupancyMaxActiveClusters(&resident, kernel, &config) == cudaSuccess && resident > 0) {
+                blocks = static_cast<int>(attribute.val.clusterDim.x);
+                break;
+            }
             cudaGetLastError(); // a refused size is not an error of the caller's
-            continue;
         }
-        const int64_t clusters = std::min<int64_t>(strips, resident);
-        config.gridDim = dim3(static_cast<unsigned>(clusters * blocks));
-        cudaLaunchKernelEx(&config, kernel, params);
-        return true;
+        cached[1] = resident;
+        cached[0] = blocks;
     }
-    return false;
+    if (cached[0] < 0) return false;
+    shape(cached[0]);
+    config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(strips, cached[1]) * cached[0]));
+    cudaLaunchKernelEx(&config, kernel, params);
+    return true;
 }
 
 } // namespace
