@@ -34,17 +34,22 @@ void check_row_vector(const c10::optional<at::Tensor> &t, const at::Tensor &x, i
                 " must be a contiguous vector of ", rows, " elements");
 }
 
-void check_input(const at::Tensor &x) {
+void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tensor> &gamma,
+                              const c10::optional<at::Tensor> &rstd, const c10::optional<at::Tensor> &probs,
+                              const c10::optional<at::Tensor> &row_mask, int64_t producer, int64_t act,
+                              bool zero_centered, const at::Tensor &q, const at::Tensor &scale, const at::Tensor &q_t,
+                              const at::Tensor &scale_t) {
+    TORCH_CHECK(producer >= 0 && producer <= 2, kOp, "producer must be 0 (copy), 1 (gated) or 2 (rmsnorm), got ",
+                producer);
     TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.stride(1) == 1, kOp,
                 "x must be a 2-D CUDA tensor with unit column stride");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, kOp,
                 "x must be bfloat16 or float16, got ", x.scalar_type());
-}
-
-// q (rows x cols) and q_t (cols x rows) in one FP8 dtype with their block scales, on x's device, and the
-// 16-byte alignment the kernels' vector loads and stores need.
-void check_outputs(const at::Tensor &x, int64_t rows, int64_t cols, const at::Tensor &q, const at::Tensor &scale,
-                   const at::Tensor &q_t, const at::Tensor &scale_t) {
+    const bool gated = producer == static_cast<int64_t>(DualBlockProducer::kGated);
+    const bool rmsnorm = producer == static_cast<int64_t>(DualBlockProducer::kRmsNorm);
+    TORCH_CHECK(!gated || x.size(1) % 2 == 0, kOp, "a gated input needs an even width, got ", x.size(1));
+    const int64_t rows = x.size(0);
+    const int64_t cols = gated ? x.size(1) / 2 : x.size(1);
     const auto fp8 = q.scalar_type();
     TORCH_CHECK(fp8 == at::kFloat8_e4m3fn || fp8 == at::kFloat8_e5m2, kOp,
                 "q must be float8_e4m3fn or float8_e5m2, got ", fp8);
@@ -59,65 +64,13 @@ void check_outputs(const at::Tensor &x, int64_t rows, int64_t cols, const at::Te
     check_device(scale_t, x, "scale_t");
     check_scale(scale, rows, (cols + kBlock - 1) / kBlock, "scale");
     check_scale(scale_t, cols, (rows + kBlock - 1) / kBlock, "scale_t");
-    TORCH_CHECK(aligned16(x) && x.stride(0) % 8 == 0 && cols % 8 == 0 && rows % 16 == 0 && aligned16(q) &&
-                    aligned16(q_t),
-                kOp, "needs 16-byte aligned rows: x's data and row stride, K % 8 == 0 and M % 16 == 0, got x ",
-                x.sizes(), " with row stride ", x.stride(0));
-}
-
-void check_gamma(const at::Tensor &gamma, const at::Tensor &x, int64_t cols) {
-    check_row_vector(gamma, x, cols, "gamma");
-    TORCH_CHECK(gamma.scalar_type() == at::kFloat || gamma.scalar_type() == x.scalar_type(), kOp,
-                "gamma must be float32 or x's dtype");
-}
-
-void check_rstd(const at::Tensor &rstd, const at::Tensor &x, int64_t rows) {
-    check_row_vector(rstd, x, rows, "rstd");
-    TORCH_CHECK(rstd.scalar_type() == at::kFloat, kOp, "rstd must be float32");
-}
-
-DualBlockParams input_params(const at::Tensor &x, int64_t rows, int64_t cols, const at::Tensor &q,
-                             const at::Tensor &scale, const at::Tensor &q_t, const at::Tensor &scale_t) {
-    DualBlockParams params{};
-    params.x = x.const_data_ptr();
-    params.stride_x = x.stride(0);
-    params.rows = rows;
-    params.cols = cols;
-    params.q = q.data_ptr();
-    params.scale = scale.data_ptr<float>();
-    params.scale_row_stride = scale.stride(0);
-    params.scale_block_stride = scale.stride(1);
-    params.q_t = q_t.data_ptr();
-    params.scale_t = scale_t.data_ptr<float>();
-    params.scale_t_row_stride = scale_t.stride(0);
-    params.scale_t_block_stride = scale_t.stride(1);
-    return params;
-}
-
-HalfKind half_kind(const at::Tensor &x) {
-    return x.scalar_type() == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16;
-}
-Fp8Kind fp8_kind(const at::Tensor &q) {
-    return q.scalar_type() == at::kFloat8_e4m3fn ? Fp8Kind::kE4M3 : Fp8Kind::kE5M2;
-}
-
-void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tensor> &gamma,
-                              const c10::optional<at::Tensor> &rstd, const c10::optional<at::Tensor> &probs,
-                              const c10::optional<at::Tensor> &row_mask, int64_t producer, int64_t act,
-                              bool zero_centered, const at::Tensor &q, const at::Tensor &scale, const at::Tensor &q_t,
-                              const at::Tensor &scale_t) {
-    TORCH_CHECK(producer >= 0 && producer <= 2, kOp, "producer must be 0 (copy), 1 (gated) or 2 (rmsnorm), got ",
-                producer);
-    check_input(x);
-    const bool gated = producer == static_cast<int64_t>(DualBlockProducer::kGated);
-    const bool rmsnorm = producer == static_cast<int64_t>(DualBlockProducer::kRmsNorm);
-    TORCH_CHECK(!gated || x.size(1) % 2 == 0, kOp, "a gated input needs an even width, got ", x.size(1));
-    const int64_t rows = x.size(0);
-    const int64_t cols = gated ? x.size(1) / 2 : x.size(1);
     if (rmsnorm) {
         TORCH_CHECK(gamma.has_value() && rstd.has_value(), kOp, "rmsnorm needs gamma and rstd");
-        check_gamma(*gamma, x, cols);
-        check_rstd(*rstd, x, rows);
+        check_row_vector(gamma, x, cols, "gamma");
+        check_row_vector(rstd, x, rows, "rstd");
+        TORCH_CHECK(gamma->scalar_type() == at::kFloat || gamma->scalar_type() == x.scalar_type(), kOp,
+                    "gamma must be float32 or x's dtype");
+        TORCH_CHECK(rstd->scalar_type() == at::kFloat, kOp, "rstd must be float32");
     }
     if (gated) {
         TORCH_CHECK(act == 0 || act == 1, kOp, "act must be 0 (SiLU) or 1 (tanh GELU), got ", act);
@@ -129,9 +82,16 @@ void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tenso
                         row_mask->scalar_type() == at::kByte,
                     kOp, "row_mask must be bool or uint8");
     }
-    check_outputs(x, rows, cols, q, scale, q_t, scale_t);
+    TORCH_CHECK(aligned16(x) && x.stride(0) % 8 == 0 && cols % 8 == 0 && rows % 16 == 0 && aligned16(q) &&
+                    aligned16(q_t),
+                kOp, "needs 16-byte aligned rows: x's data and row stride, K % 8 == 0 and M % 16 == 0, got x ",
+                x.sizes(), " with row stride ", x.stride(0));
     const c10::cuda::CUDAGuard device_guard(x.device());
-    DualBlockParams params = input_params(x, rows, cols, q, scale, q_t, scale_t);
+    DualBlockParams params{};
+    params.x = x.const_data_ptr();
+    params.stride_x = x.stride(0);
+    params.rows = rows;
+    params.cols = cols;
     if (rmsnorm) {
         params.gamma = gamma->const_data_ptr();
         params.gamma_fp32 = gamma->scalar_type() == at::kFloat;
@@ -144,38 +104,20 @@ void fp8_dual_block_emit_cuda(const at::Tensor &x, const c10::optional<at::Tenso
         params.probs_fp32 = probs.has_value() && probs->scalar_type() == at::kFloat;
         params.row_mask = row_mask.has_value() ? static_cast<const uint8_t *>(row_mask->const_data_ptr()) : nullptr;
     }
-    launch_fp8_dual_block(params, static_cast<DualBlockProducer>(producer), half_kind(x), fp8_kind(q),
+    params.q = q.data_ptr();
+    params.scale = scale.data_ptr<float>();
+    params.scale_row_stride = scale.stride(0);
+    params.scale_block_stride = scale.stride(1);
+    params.q_t = q_t.data_ptr();
+    params.scale_t = scale_t.data_ptr<float>();
+    params.scale_t_row_stride = scale_t.stride(0);
+    params.scale_t_block_stride = scale_t.stride(1);
+    launch_fp8_dual_block(params, static_cast<DualBlockProducer>(producer),
+                          x.scalar_type() == at::kBFloat16 ? HalfKind::kBFloat16 : HalfKind::kFloat16,
+                          fp8 == at::kFloat8_e4m3fn ? Fp8Kind::kE4M3 : Fp8Kind::kE5M2,
                           at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-void fp8_rmsnorm_dual_block_cuda(const at::Tensor &x, const at::Tensor &gamma, double eps, bool zero_centered,
-                                 const at::Tensor &rstd, const at::Tensor &q, const at::Tensor &scale,
-                                 const at::Tensor &q_t, const at::Tensor &scale_t) {
-    check_input(x);
-    TORCH_CHECK(x.size(1) <= kRmsNormSingleReadCols, kOp, "the single-read RMSNorm takes rows of at most ",
-                kRmsNormSingleReadCols, " elements, got ", x.size(1));
-    const int64_t rows = x.size(0);
-    const int64_t cols = x.size(1);
-    check_gamma(gamma, x, cols);
-    check_rstd(rstd, x, rows);
-    check_outputs(x, rows, cols, q, scale, q_t, scale_t);
-    const c10::cuda::CUDAGuard device_guard(x.device());
-    DualBlockParams params = input_params(x, rows, cols, q, scale, q_t, scale_t);
-    params.gamma = gamma.const_data_ptr();
-    params.gamma_fp32 = gamma.scalar_type() == at::kFloat;
-    params.zero_centered = zero_centered;
-    params.eps = static_cast<float>(eps);
-    params.rstd_out = rstd.data_ptr<float>();
-    const bool launched =
-        launch_fp8_rmsnorm_dual_block(params, half_kind(x), fp8_kind(q), at::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(launched, kOp, "no thread-block cluster of 8 or 16 blocks fits ", x.device(),
-                " (needs sm_90+); use the rstd pass and fp8_dual_block_emit");
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void fp8_rmsnorm_dual_block_meta(const at::Tensor &, const at::Tensor &, double, bool, const at::Tensor &,
-                                 const at::Tensor &, const at::Tensor &, const at::Tensor &, const at::Tensor &) {}
 
 // Nothing to compute for meta/fake tensors: the op only writes its mutable arguments.
 void fp8_dual_block_emit_meta(const at::Tensor &, const c10::optional<at::Tensor> &,
@@ -193,18 +135,12 @@ TORCH_LIBRARY_FRAGMENT(primus_turbo_cpp_extension, m) {
           "int producer, int act, bool zero_centered, Tensor(a!) q, Tensor(b!) scale, Tensor(c!) q_t, "
           "Tensor(d!) scale_t) -> ()",
           {at::Tag::pt2_compliant_tag});
-    // RMSNorm's two 1 x 128 copies with rstd (written to rstd) from the same single read of x (K <= 4096).
-    m.def("fp8_rmsnorm_dual_block(Tensor x, Tensor gamma, float eps, bool zero_centered, Tensor(a!) rstd, "
-          "Tensor(b!) q, Tensor(c!) scale, Tensor(d!) q_t, Tensor(e!) scale_t) -> ()",
-          {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, CUDA, m) {
     m.impl("fp8_dual_block_emit", &primus_turbo::fp8_dual_block_emit_cuda);
-    m.impl("fp8_rmsnorm_dual_block", &primus_turbo::fp8_rmsnorm_dual_block_cuda);
 }
 
 TORCH_LIBRARY_IMPL(primus_turbo_cpp_extension, Meta, m) {
     m.impl("fp8_dual_block_emit", &primus_turbo::fp8_dual_block_emit_meta);
-    m.impl("fp8_rmsnorm_dual_block", &primus_turbo::fp8_rmsnorm_dual_block_meta);
 }

@@ -1,6 +1,5 @@
-"""Tests of the C++/CUDA ops (need a GPU and _C): primus_turbo_cpp_extension::fp8_dual_block_emit, both
-1 x 128 FP8 copies bit for bit equal to the Triton producers'; fp8_rmsnorm_dual_block (sm_90+), RMSNorm's
-copies and rstd from one read of x, within one FP8 ulp of them (its row sums add in another order)."""
+"""Tests of the C++/CUDA op primus_turbo_cpp_extension::fp8_dual_block_emit (needs a GPU and _C): both 1 x 128
+FP8 copies bit for bit equal to the Triton producers'."""
 
 import pytest
 import torch
@@ -132,8 +131,6 @@ def test_ops_take_the_cuda_tiles(op_name, monkeypatch):
         return dual_block_cuda.dual_block_cuda(*args, **kwargs)
 
     monkeypatch.setattr(module, "dual_block_cuda", spy)
-    if op_name == "rmsnorm_fp8":
-        monkeypatch.setattr(module, "rmsnorm_single_read_usable", lambda *args: False)
     got = run()
     assert calls, "the C++ tiles did not run"
     monkeypatch.setattr(module, "dual_block_cuda_usable", lambda *args: False)
@@ -172,92 +169,3 @@ def test_bad_output_dtype_raises():
     q, scale, q_t, scale_t = _buffers(128, 256, torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="q must be float8_e4m3fn or float8_e5m2"):
         _op()(x, None, None, None, None, 0, 0, False, q.view(torch.uint8), scale, q_t, scale_t)
-
-
-def _single_read_op():
-    return torch.ops.primus_turbo_cpp_extension.fp8_rmsnorm_dual_block
-
-
-def _needs_clusters():
-    from primus_turbo.pytorch.kernels.quantization.dual_block_cuda import _clusters_run_on
-
-    if not _clusters_run_on(torch.cuda.current_device()):
-        pytest.skip("thread-block clusters need sm_90+")
-
-
-@pytest.mark.parametrize("rows,cols", [(128, 128), (1008, 200), (4096, 1536), (4112, 2440), (2048, 4096)])
-@pytest.mark.parametrize("zero_centered", [False, True])
-@pytest.mark.parametrize("gamma_fp32", [True, False])
-@pytest.mark.parametrize("dtype,fp8", KINDS)
-def test_rmsnorm_single_read_within_one_ulp(rows, cols, zero_centered, gamma_fp32, dtype, fp8):
-    from primus_turbo.triton.normalization import rmsnorm_fp8_triton
-    from primus_turbo.triton.quantization import EMIT_BLOCK
-    from tests.pytorch.test_utils import _assert_fp8_within_one_ulp
-
-    _needs_clusters()
-    x = _input(rows, cols, dtype, 6)
-    gamma = torch.randn(cols, device="cuda").to(torch.float32 if gamma_fp32 else dtype)
-    expected, got = _buffers(rows, cols, fp8), _buffers(rows, cols, fp8)
-    rstd_expected = rmsnorm_fp8_triton(x, gamma, 1e-6, zero_centered, EMIT_BLOCK, *expected, 128)
-    rstd = torch.empty(rows, device="cuda")
-    _single_read_op()(x, gamma, 1e-6, zero_centered, rstd, *got)
-    torch.testing.assert_close(rstd, rstd_expected, rtol=1e-6, atol=0, equal_nan=True)
-    for value, reference in zip(got, expected, strict=True):
-        if value.dtype == fp8:
-            _assert_fp8_within_one_ulp(value, reference)
-        else:
-            rtol = torch.finfo(dtype).eps
-            torch.testing.assert_close(value, reference, rtol=rtol, atol=0, equal_nan=True)
-
-
-def test_rmsnorm_fp8_takes_the_single_read(monkeypatch):
-    """rmsnorm_fp8 with both 1 x 128 copies and rows of at most 4096 elements runs the single-read op."""
-    from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
-    from primus_turbo.pytorch.kernels.normalization import rmsnorm_impl
-    from primus_turbo.pytorch.kernels.quantization import dual_block_cuda
-    from primus_turbo.pytorch.ops import rmsnorm, rmsnorm_fp8
-    from tests.pytorch.test_utils import assert_fused_fp8_output
-
-    _needs_clusters()
-    x = _input(1024, 768, torch.bfloat16, 7)
-    gamma = torch.randn(768, device="cuda", dtype=torch.bfloat16)
-    config = Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=128)
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return dual_block_cuda.rmsnorm_single_read_cuda(*args, **kwargs)
-
-    monkeypatch.setattr(rmsnorm_impl, "rmsnorm_single_read_cuda", spy)
-    fused = rmsnorm_fp8(x, gamma, config)
-    assert calls, "the single-read kernel did not run"
-    assert_fused_fp8_output(fused, rmsnorm(x, gamma).detach(), config, True, exact=False)
-
-
-def test_rmsnorm_single_read_opcheck_and_compile():
-    _needs_clusters()
-    x = _input(256, 384, torch.bfloat16, 8)
-    gamma = torch.randn(384, device="cuda", dtype=torch.bfloat16)
-    outputs = (torch.empty(256, device="cuda"), *_buffers(256, 384, torch.float8_e4m3fn))
-    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(_single_read_op(), (x, gamma, 1e-6, False, *outputs), test_utils=checks)
-
-    def emit(x, gamma, rstd, q, scale, q_t, scale_t):
-        _single_read_op()(x, gamma, 1e-6, False, rstd, q, scale, q_t, scale_t)
-        return rstd, q, scale, q_t, scale_t
-
-    fresh = (torch.empty(256, device="cuda"), *_buffers(256, 384, torch.float8_e4m3fn))
-    eager = emit(x, gamma, *fresh)
-    compiled = torch.compile(emit, fullgraph=True)(
-        x, gamma, torch.empty(256, device="cuda"), *_buffers(256, 384, torch.float8_e4m3fn)
-    )
-    _assert_same_bits(compiled, eager)
-
-
-def test_rmsnorm_single_read_wide_rows_raise():
-    _needs_clusters()
-    x = torch.randn(128, 4224, device="cuda", dtype=torch.bfloat16)
-    gamma = torch.randn(4224, device="cuda", dtype=torch.bfloat16)
-    outputs = (torch.empty(128, device="cuda"), *_buffers(128, 4224, torch.float8_e4m3fn))
-    with pytest.raises(RuntimeError, match="at most 4096"):
-        _single_read_op()(x, gamma, 1e-6, False, *outputs)

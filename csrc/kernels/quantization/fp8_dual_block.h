@@ -26,9 +26,6 @@ struct DualBlockParams {
     bool gamma_fp32; // gamma is fp32, else the input dtype
     bool zero_centered;
     const float *rstd;
-    // launch_fp8_rmsnorm_dual_block: rstd is computed (eps added to the mean square) and written to rstd_out
-    float eps;
-    float *rstd_out;
     // kGated: y = act(gate) * linear (* probs[row]); rows whose row_mask byte is 0 give zeros
     int act; // 0 SiLU, 1 tanh-approximated GELU
     const void *probs;
@@ -51,12 +48,5 @@ struct DualBlockParams {
 // checks shapes, dtypes, alignment and the launch error).
 void launch_fp8_dual_block(const DualBlockParams &params, DualBlockProducer producer, HalfKind input,
                            Fp8Kind output, cudaStream_t stream);
-
-// RMSNorm's two copies with one read of x from memory (rstd computed inside by clusters of blocks that
-// hold a 128-row strip in shared memory; sm_90+). The same requirements, plus gamma, rstd_out and
-// K <= kRmsNormSingleReadCols. Returns false, launching nothing, where no cluster fits the device.
-constexpr int64_t kRmsNormSingleReadCols = 4096;
-bool launch_fp8_rmsnorm_dual_block(const DualBlockParams &params, HalfKind input, Fp8Kind output,
-                                   cudaStream_t stream);
 
 } // namespace primus_turbo

@@ -11,8 +11,6 @@ from primus_turbo.pytorch.kernels.quantization.dual_block_cuda import (
     PRODUCER_RMSNORM,
     dual_block_cuda,
     dual_block_cuda_usable,
-    rmsnorm_single_read_cuda,
-    rmsnorm_single_read_usable,
 )
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     EMIT_MODES,
@@ -158,11 +156,8 @@ def rmsnorm_fp8_fwd_impl(
         x.shape, fp8_dtype, granularity, block_size, columnwise, x.device
     )
     if columnwise and EMIT_MODES[granularity] == EMIT_BLOCK and _cuda_tiles(x, gamma, fp8_dtype, block_size):
-        if rmsnorm_single_read_usable(x):
-            rstd = rmsnorm_single_read_cuda(x, gamma, eps, zero_centered, q, scale, q_t, scale_t)
-        else:
-            rstd = rmsnorm_rstd_triton(x, gamma, eps, zero_centered)
-            dual_block_cuda(x, PRODUCER_RMSNORM, q, scale, q_t, scale_t, gamma, rstd, zero_centered)
+        rstd = rmsnorm_rstd_triton(x, gamma, eps, zero_centered)
+        dual_block_cuda(x, PRODUCER_RMSNORM, q, scale, q_t, scale_t, gamma, rstd, zero_centered)
         return rstd, q, scale, q_t, scale_t
     column = (q_t, scale_t) if columnwise else (None, None)
     rstd = rmsnorm_fp8_triton(
@@ -172,8 +167,7 @@ def rmsnorm_fp8_fwd_impl(
 
 
 def _cuda_tiles(x: torch.Tensor, gamma: torch.Tensor, fp8_dtype: torch.dtype, block_size: int) -> bool:
-    """Both 1 x 128 copies from the C++ kernels, where they run: in one read of x for narrow rows on sm_90,
-    else the tiles after a Triton pass for rstd."""
+    """Both 1 x 128 copies from the C++ kernel's tiles (after a Triton pass for rstd), where it runs."""
     return (
         dual_block_cuda_usable(x, fp8_dtype, block_size)
         and gamma.dtype in (torch.float32, x.dtype)
