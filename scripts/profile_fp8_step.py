@@ -1,36 +1,72 @@
-"""Kernel-time breakdown of one FP8 Linear training step (quantize + forward + backward) per granularity.
+"""Kernel-time breakdown of one FP8 training step (quantize + forward + backward) per granularity.
 
-Prints torch.profiler's CUDA-time table (the kernel names tell cuBLAS from Triton GEMMs) next to the bf16
-step, so a slow step can be traced to its GEMMs or to its quantization kernels.
+Prints torch.profiler's CUDA-time table (the kernel names tell vendor from Triton GEMMs) next to the
+bf16 step, so a slow step can be traced to its GEMMs or to its quantization kernels. ``--grouped
+GxTxNxK`` profiles ``grouped_gemm_fp8`` (G experts, T tokens each, [G, N, K] weights) instead of
+``gemm_fp8``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmark.ops.training.bench_gemm_fp8 import GRANULARITY_NAMES, quant_config
 from primus_turbo.pytorch.core.backend import GlobalBackendManager
-from primus_turbo.pytorch.ops import gemm_fp8
+from primus_turbo.pytorch.ops import gemm_fp8, grouped_gemm_fp8
+
+
+def linear_steps(mnk: str, names: list[str]) -> dict[str, Callable[[], None]]:
+    """bf16 and FP8 steps of one Linear, M x N x K = tokens x out x in."""
+    m, n, k = (int(v) for v in mnk.split("x"))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5).requires_grad_()
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    steps: dict[str, Callable[[], None]] = {"bf16": lambda: torch.matmul(a, w.t()).backward(grad)}
+    for name in names:
+        config = quant_config(name)
+        steps[name] = lambda config=config: gemm_fp8(a, w, trans_b=True, config=config).backward(grad)
+    return steps
+
+
+def grouped_steps(gtnk: str, names: list[str]) -> dict[str, Callable[[], None]]:
+    """bf16 ``torch._grouped_mm`` and FP8 grouped steps of G balanced experts."""
+    g, t, n, k = (int(v) for v in gtnk.split("x"))
+    lens = torch.full((g,), t, dtype=torch.int64, device="cuda")
+    offs32 = torch.cumsum(lens, 0).to(torch.int32)
+    a = torch.randn(g * t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5).requires_grad_()
+    grad = torch.randn(g * t, n, device="cuda", dtype=torch.bfloat16)
+
+    def bf16() -> None:
+        torch._grouped_mm(a, w.transpose(1, 2), offs=offs32).backward(grad)
+
+    steps: dict[str, Callable[[], None]] = {"bf16": bf16}
+    for name in names:
+        config = quant_config(name)
+
+        def step(config=config) -> None:
+            grouped_gemm_fp8(a, w, lens, trans_b=True, config=config).backward(grad)
+
+        steps[name] = step
+    return steps
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--mnk", default="4096x57344x8192", help="M x N x K of the Linear (tokens, out, in)")
+    p.add_argument("--grouped", default="", help="G x T x N x K: profile the grouped GEMM instead")
     p.add_argument("--granularities", default="tensorwise,rowwise,blockwise")
     p.add_argument("--rows", type=int, default=14, help="kernels shown per table")
     args = p.parse_args()
-    m, n, k = (int(v) for v in args.mnk.split("x"))
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5).requires_grad_()
-    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    steps: dict[str, object] = {"bf16": lambda: torch.matmul(a, w.t()).backward(grad)}
-    for name in args.granularities.split(","):
+    names = args.granularities.split(",")
+    for name in names:
         assert name in GRANULARITY_NAMES, name
-        config = quant_config(name)
-        steps[name] = lambda config=config: gemm_fp8(a, w, trans_b=True, config=config).backward(grad)
+    shape = args.grouped or args.mnk
+    steps = grouped_steps(shape, names) if args.grouped else linear_steps(shape, names)
     for name, step in steps.items():
         GlobalBackendManager.reset()
         for _ in range(3):
@@ -42,7 +78,7 @@ def main() -> None:
             torch.cuda.synchronize()
         events = prof.key_averages()
         total = sum(e.self_device_time_total for e in events) / 5 / 1e3
-        print(f"\n== {name} step, {m}x{n}x{k}: {total:.3f} ms of kernel time per step")
+        print(f"\n== {name} step, {shape}: {total:.3f} ms of kernel time per step")
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
 
 

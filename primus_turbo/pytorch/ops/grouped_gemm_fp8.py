@@ -32,9 +32,10 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_variable_k_impl,
     quantize_fp8_group_blocks_impl,
     quantize_fp8_group_columns_impl,
+    transpose_last_two_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args
-from primus_turbo.pytorch.ops.quantization import quantize_fp8
+from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_trans
 
 __all__ = ["grouped_gemm_fp8"]
 
@@ -48,9 +49,20 @@ def _quantize_tokens(x: torch.Tensor, dtype: torch.dtype, config: Float8QuantCon
     return quantize_fp8(x, dtype, config.granularity, block_size=config.block_size, axis=axis)
 
 
+def _contiguous_along(q: torch.Tensor, axis: int) -> torch.Tensor:
+    """``q`` [G, X, Y] (a view) with dimension ``axis`` contiguous in memory: itself, or a transposed copy
+    viewed with q's shape. FP8 tensor cores read the reduction dimension contiguous."""
+    if q.stride(axis) == 1:
+        return q
+    if axis == 1:
+        return call_op(transpose_last_two_impl, q).transpose(1, 2)
+    return call_op(transpose_last_two_impl, q.transpose(1, 2))
+
+
 def _quantize_experts(b: torch.Tensor, dtype: torch.dtype, config: Float8QuantConfig, axis: int):
-    """Expert weights [G, X, Y]: one scale per expert ([G, 1, 1]), per row along ``axis``, or per B x B
-    tile ([G, X / B, Y / B])."""
+    """Expert weights [G, X, Y] for a GEMM reducing over ``axis`` (1 or 2): one scale per expert
+    ([G, 1, 1]), per row along ``axis``, or per B x B tile ([G, X / B, Y / B]). ``q`` has b's shape with
+    ``axis`` contiguous in memory."""
     granularity = config.granularity
     if granularity is _G.BLOCKWISE:
         block = config.block_size
@@ -58,15 +70,36 @@ def _quantize_experts(b: torch.Tensor, dtype: torch.dtype, config: Float8QuantCo
         q, scale = quantize_fp8(
             b.reshape(-1, b.shape[2]), dtype, granularity, block_size=block, scaling_recipe=recipe
         )
-        return q.view(b.shape), scale.view(b.shape[0], b.shape[1] // block, -1)
+        return _contiguous_along(q.view(b.shape), axis), scale.view(b.shape[0], b.shape[1] // block, -1)
     if granularity is _G.TENSORWISE:
         q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
-        return q.view(b.shape), scale.view(-1, 1, 1)
-    return quantize_fp8(b, dtype, _G.ROWWISE, axis=axis)
+        return _contiguous_along(q.view(b.shape), axis), scale.view(-1, 1, 1)
+    if axis == 2:
+        return quantize_fp8(b, dtype, _G.ROWWISE, axis=2)
+    # along the middle dimension: quantize the rows of a transposed copy, which is the wanted layout
+    q, scale = quantize_fp8(call_op(transpose_last_two_impl, b), dtype, _G.ROWWISE, axis=2)
+    return q.transpose(1, 2), scale.transpose(1, 2)
 
 
 def _block(config: Float8QuantConfig) -> int:
     return config.block_size if config.granularity is _G.BLOCKWISE else 0
+
+
+def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype):
+    """Token-major FP8 copies of ``grad_out`` and ``a`` with their scales, for the wgrad GEMM
+    (``grad_t``: the tensorwise gradient already quantized and stored [N, T])."""
+    a, _, group_offs, qa, sa, _, _ = ctx.saved_tensors
+    config, block = ctx.config, _block(ctx.config)
+    if config.granularity is _G.TENSORWISE:
+        # the forward's scales serve the reduction over tokens too: transposed copies of the same values
+        return grad_t.t(), grad_scale, call_op(transpose_last_two_impl, qa).t(), sa
+    if config.granularity is _G.BLOCKWISE:
+        qg_t, sg_t = call_op(quantize_fp8_group_blocks_impl, grad_out, group_offs, grad_dtype, block)
+        qa_t, sa_t = call_op(quantize_fp8_group_blocks_impl, a, group_offs, fwd_dtype, block)
+        return qg_t, sg_t, qa_t, sa_t
+    qg_t, sg_t = call_op(quantize_fp8_group_columns_impl, grad_out, group_offs, grad_dtype)
+    qa_t, sa_t = call_op(quantize_fp8_group_columns_impl, a, group_offs, fwd_dtype)
+    return qg_t, sg_t, qa_t, sa_t
 
 
 class _GroupedGemmFp8Function(torch.autograd.Function):
@@ -83,28 +116,28 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, group_offs, qa, sa, qb, sb = ctx.saved_tensors
+        a, b, group_offs, _, _, qb, sb = ctx.saved_tensors
         config, trans_b = ctx.config, ctx.trans_b
         gran, block = config.granularity, _block(config)
         grad_dtype = fp8_dtype_for(config.format, is_forward=False)
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
+        qg = sg = qg_t = None
+        if gran is _G.TENSORWISE and ctx.needs_input_grad[1]:
+            # one amax for both GEMMs; the transposed copy is the wgrad's token-major operand
+            qg, sg, qg_t, _ = quantize_fp8_with_trans(grad_out, grad_dtype, gran)
+        elif ctx.needs_input_grad[0]:
             qg, sg = _quantize_tokens(grad_out, grad_dtype, config)
-            if gran is _G.ROWWISE:  # the weights along N for dgrad
-                qb, sb = _quantize_experts(b, fwd_dtype, config, 1 if trans_b else 2)
+        if ctx.needs_input_grad[0]:
+            n_axis = 1 if trans_b else 2  # dgrad reduces over N
+            if gran is _G.ROWWISE:  # the weights along N
+                qb, sb = _quantize_experts(b, fwd_dtype, config, n_axis)
+            else:
+                qb = _contiguous_along(qb, n_axis)
             grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype, block)
         if ctx.needs_input_grad[1]:
-            if gran is _G.TENSORWISE:
-                qg_t, sg_t = _quantize_tokens(grad_out, grad_dtype, config)
-                qa_t, sa_t = qa, sa
-            elif gran is _G.BLOCKWISE:
-                qg_t, sg_t = call_op(quantize_fp8_group_blocks_impl, grad_out, group_offs, grad_dtype, block)
-                qa_t, sa_t = call_op(quantize_fp8_group_blocks_impl, a, group_offs, fwd_dtype, block)
-            else:
-                qg_t, sg_t = call_op(quantize_fp8_group_columns_impl, grad_out, group_offs, grad_dtype)
-                qa_t, sa_t = call_op(quantize_fp8_group_columns_impl, a, group_offs, fwd_dtype)
+            qg_t, sg_t, qa_t, sa_t = _wgrad_operands(ctx, grad_out, qg_t, sg, grad_dtype, fwd_dtype)
             # [G, N, K] = per group dy^T a for the transposed layout, else [G, K, N] = a^T dy
             operands = (qg_t, sg_t, qa_t, sa_t) if trans_b else (qa_t, sa_t, qg_t, sg_t)
             if ctx.accum_pattern == "megatron":

@@ -1,5 +1,9 @@
 """Grouped GEMM kernels (MoE experts)."""
 
+from primus_turbo.triton.grouped_gemm.group_quant_kernel import (
+    quantize_fp8_group_blocks_triton,
+    quantize_fp8_group_columns_triton,
+)
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     grouped_fp8_scale_block,
     grouped_gemm_fp8_triton,
@@ -14,4 +18,6 @@ __all__ = [
     "grouped_gemm_fp8_variable_k_triton",
     "grouped_gemm_triton",
     "grouped_gemm_variable_k_triton",
+    "quantize_fp8_group_blocks_triton",
+    "quantize_fp8_group_columns_triton",
 ]

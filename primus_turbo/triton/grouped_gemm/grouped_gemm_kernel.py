@@ -7,6 +7,10 @@
 - ``grouped_gemm_variable_k_triton``: ``out[g] = lhs[rows of g]^T @ rhs[rows of g]`` for ``lhs``
   [T, P] and ``rhs`` [T, Q] (the weight gradient: the reduction runs over each group's tokens); one
   program per (group, output tile), so the grid is known without the group sizes.
+
+Operands come as views of any strides. FP8 ones should have the reduction dimension contiguous
+(K-major weights, token-major wgrad operands): Hopper's FP8 MMA reads only that layout, and the others
+ran 4-8x slower on H200.
 """
 
 from __future__ import annotations
@@ -173,7 +177,9 @@ def _grouped_variable_k_jit(
     P,
     Q,
     stride_lt,
+    stride_lp,
     stride_rt,
+    stride_rq,
     stride_og,
     stride_op,
     stride_ls,
@@ -189,7 +195,8 @@ def _grouped_variable_k_jit(
     BLOCK_K: tl.constexpr,
 ):
     """One program per (group, output tile): BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the
-    group's tokens. With SCALED the operands are FP8 and their scales (one, or one per (group, column))
+    group's tokens. The operands come with both strides (FP8 ones token-major, see the module
+    docstring). With SCALED the operands are FP8 and their scales (one, or one per (group, column))
     are constant along the reduction, so they apply once to the finished tile. With PER_BLOCK (BLOCK_K =
     the scale block) every BLOCK_K tokens of a group, counted from its first token, have their own
     scale row (``block_base[g]`` is the group's first), and each block's product is scaled before it is
@@ -197,8 +204,8 @@ def _grouped_variable_k_jit(
     g = tl.program_id(0)
     tile = tl.program_id(1)
     num_pid_q = tl.cdiv(Q, BLOCK_N)
-    ps = (tile // num_pid_q) * BLOCK_M + tl.arange(0, BLOCK_M)
-    qs = (tile % num_pid_q) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ps = ((tile // num_pid_q) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    qs = ((tile % num_pid_q) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     p_ok = ps < P
     q_ok = qs < Q
     start = tl.load(offs_ptr + g)
@@ -210,20 +217,24 @@ def _grouped_variable_k_jit(
         ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         k_ok = ks < end
         lhs = tl.load(
-            lhs_ptr + ks[:, None] * stride_lt + ps[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0
+            lhs_ptr + ps[:, None] * stride_lp + ks[None, :] * stride_lt,
+            mask=p_ok[:, None] & k_ok[None, :],
+            other=0.0,
         )
         rhs = tl.load(
-            rhs_ptr + ks[:, None] * stride_rt + qs[None, :], mask=k_ok[:, None] & q_ok[None, :], other=0.0
+            rhs_ptr + ks[:, None] * stride_rt + qs[None, :] * stride_rq,
+            mask=k_ok[:, None] & q_ok[None, :],
+            other=0.0,
         )
         if PER_BLOCK:
             sl = tl.load(lhs_scale_ptr + block_row * stride_ls + ps, mask=p_ok, other=0.0)
             sr = tl.load(rhs_scale_ptr + block_row * stride_rs + qs, mask=q_ok, other=0.0)
-            acc += tl.dot(lhs.T, rhs) * (sl[:, None] * sr[None, :])
+            acc += tl.dot(lhs, rhs) * (sl[:, None] * sr[None, :])
             block_row += 1
         elif SCALED:
-            acc = tl.dot(lhs.T, rhs, acc, max_num_imprecise_acc=BLOCK_K)
+            acc = tl.dot(lhs, rhs, acc, max_num_imprecise_acc=BLOCK_K)
         else:
-            acc = tl.dot(lhs.T, rhs, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
     if SCALED and not PER_BLOCK:
         if PER_COLUMN:
             sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
@@ -346,7 +357,7 @@ def grouped_gemm_variable_k_triton(
     accumulate: bool = False,
 ) -> torch.Tensor:
     """``out[g] (+)= lhs[rows of g]^T @ rhs[rows of g]`` into ``out`` [G, P, Q]; ``lhs`` [T, P] and
-    ``rhs`` [T, Q] with unit column strides; a group without rows gives zeros (or leaves ``out``)."""
+    ``rhs`` [T, Q] of any strides; a group without rows gives zeros (or leaves ``out``)."""
     groups, p, q = out.shape
     if groups == 0 or p == 0 or q == 0:
         return out
@@ -368,8 +379,8 @@ def grouped_gemm_variable_k_triton(
         groups,
         p,
         q,
-        lhs.stride(0),
-        rhs.stride(0),
+        *lhs.stride(),
+        *rhs.stride(),
         out.stride(0),
         out.stride(1),
         0,
@@ -462,10 +473,10 @@ def grouped_gemm_fp8_variable_k_triton(
     out_dtype: torch.dtype,
     block_base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` of FP8 ``lhs`` [T, P] and ``rhs`` [T, Q] with 0-d
-    scales or contiguous [G, P] / [G, Q] per-(group, column) scales; or, with ``block_base`` (the int64
-    [G] first scale row of each group), [rows, P] / [rows, Q] scales with one row per
-    ``grouped_fp8_scale_block()`` tokens of a group (``quantize_fp8_group_blocks``)."""
+    """[G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` of FP8 ``lhs`` [T, P] and ``rhs`` [T, Q] (views,
+    fastest token-major) with 0-d scales or contiguous [G, P] / [G, Q] per-(group, column) scales; or,
+    with ``block_base`` (the int64 [G] first scale row of each group), [rows, P] / [rows, Q] scales with
+    one row per ``grouped_fp8_scale_block()`` tokens of a group (``quantize_fp8_group_blocks``)."""
     groups = group_offs.numel() - 1
     p, q = lhs.shape[1], rhs.shape[1]
     out = torch.zeros((groups, p, q), dtype=out_dtype, device=lhs.device)
@@ -490,8 +501,8 @@ def grouped_gemm_fp8_variable_k_triton(
         groups,
         p,
         q,
-        lhs.stride(0),
-        rhs.stride(0),
+        *lhs.stride(),
+        *rhs.stride(),
         out.stride(0),
         out.stride(1),
         lhs_scale.stride(0) if per_block else 0,

@@ -302,17 +302,19 @@ def _tensorwise_cast_kernel(
     BLOCK: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
 ):
-    """q = saturate(x * multiplier) for a contiguous tensor, the multiplier derived in every program from
-    the one tensor amax (``_group_scale``'s rules); program 0 also stores scale_inv. Deriving it here
+    """q = saturate(x * multiplier) for contiguous slices of N elements (axis 1 of the grid: one slice
+    per amax, e.g. one per expert weight), the multiplier derived in every program from its slice's
+    amax (``_group_scale``'s rules); the slice's first program also stores scale_inv. Deriving it here
     instead of in torch saves a string of one-element launches per quantization."""
     pid = tl.program_id(0)
-    amax = tl.load(amax_ptr)
+    group = tl.program_id(1)
+    amax = tl.load(amax_ptr + group)
     bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
     if pid == 0:
-        tl.store(scale_inv_ptr, stored)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+        tl.store(scale_inv_ptr + group, stored)
+    offs = group.to(tl.int64) * N + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK) < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -402,12 +404,14 @@ def quantize_fp8_dual_blocks_triton(
 def tensorwise_cast_fp8_triton(
     x: torch.Tensor, q: torch.Tensor, amax: torch.Tensor, scale_inv: torch.Tensor
 ) -> None:
-    """``q = saturate(x * fp8_max / amax)`` elementwise for contiguous ``x``/``q`` and a one-element fp32
-    ``amax`` (the tensor's, NaN or inf when it holds such values); writes the one-element ``scale_inv``.
-    ``x`` must not be empty."""
-    n = x.numel()
+    """``q = saturate(x * fp8_max / amax)`` elementwise for contiguous ``x``/``q`` split into
+    ``amax.numel()`` equal slices (one tensor, or one slice per expert of a [G, ...] weight), each with
+    its fp32 ``amax`` (NaN or inf when the slice holds such values); writes each slice's ``scale_inv``
+    (``amax``'s shape). ``x`` must not be empty."""
+    groups = amax.numel()
+    n = x.numel() // groups
     block = 4096
-    _tensorwise_cast_kernel[(triton.cdiv(n, block),)](
+    _tensorwise_cast_kernel[(triton.cdiv(n, block), groups)](
         x,
         q,
         amax,

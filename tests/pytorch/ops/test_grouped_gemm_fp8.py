@@ -20,6 +20,9 @@ OUT_GATE = {Format.E4M3: 25.0, Format.HYBRID: 25.0, Format.E5M2: 20.0}
 GRAD_GATE = {Format.E4M3: 25.0, Format.HYBRID: 20.0, Format.E5M2: 20.0}
 
 
+BACKENDS = [BackendType.TORCH, BackendType.TRITON] + ([None] if DEVICE == "cuda" else [])
+
+
 @pytest.fixture(autouse=True)
 def _reset_backends():
     GlobalBackendManager.reset()
@@ -31,9 +34,11 @@ def _reset_backends():
 @pytest.mark.parametrize("trans_b", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one-group"])
 @pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE], ids=lambda g: g.name.lower())
-@pytest.mark.parametrize("backend", [BackendType.TORCH, BackendType.TRITON], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name if b else "DEFAULT")
 def test_forward_dgrad_wgrad_snr(backend, granularity, kind, trans_b, fmt):
-    GlobalBackendManager.set_grouped_gemm_backend(backend, PrecisionType.FP8)
+    """DEFAULT: the selection out of the box (on GPUs torch._scaled_grouped_mm where it applies)."""
+    if backend is not None:
+        GlobalBackendManager.set_grouped_gemm_backend(backend, PrecisionType.FP8)
     lens = _group_lens(kind, 4, 16)
     config = Float8QuantConfig(format=fmt, granularity=granularity)
     _check_against_reference(lens, 64, 48, trans_b, config)
@@ -103,6 +108,52 @@ def test_group_column_quantization_scales_each_group_on_its_own():
     assert q[:3].float().abs().amax(0).eq(448).all()
 
 
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one-group"])
+def test_group_quantization_kernels_match_the_reference(kind, fp8_dtype):
+    """Both wgrad-operand quantizations equal their torch references bit for bit (NaN, inf, zero
+    columns, empty groups, blocks cut short by a group's end) and store their output token-major."""
+    lens = _group_lens(kind, 4, BLOCK // 2 + 3)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    tokens = int(lens.sum())
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(tokens, 160, generator=gen) * 10).to(torch.bfloat16).to(DEVICE)
+    x[:, 5] = 0
+    if tokens > 3:
+        x[1, 2], x[tokens - 2, 150] = float("nan"), float("inf")
+    cases = [
+        (impl.quantize_fp8_group_columns_impl, impl.group_columns_reference, (x, offs, fp8_dtype)),
+        (impl.quantize_fp8_group_blocks_impl, impl.group_blocks_reference, (x, offs, fp8_dtype, BLOCK)),
+    ]
+    for op, reference, args in cases:
+        q, scale = op(*args)
+        q_ref, scale_ref = reference(*args)
+        assert q.shape == x.shape and q.stride() == (1, tokens)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
+@pytest.mark.parametrize("axis", [1, 2])
+def test_expert_weights_are_quantized_k_major(granularity, axis):
+    """The FP8 copy of the expert weights has the GEMM's reduction dimension contiguous (what FP8 tensor
+    cores read) and the same values and scales in either layout."""
+    from primus_turbo.pytorch.ops.grouped_gemm_fp8 import _quantize_experts
+
+    block = 32
+    b = torch.randn(3, 2 * block, 3 * block, device=DEVICE, dtype=torch.bfloat16)
+    blocks = block if granularity is G.BLOCKWISE else None
+    config = Float8QuantConfig(granularity=granularity, block_size=blocks)
+    q, scale = _quantize_experts(b, torch.float8_e4m3fn, config, axis)
+    assert q.shape == b.shape and q.stride(axis) == 1
+    if granularity is G.BLOCKWISE:
+        scale = impl.expand_scale(scale, b.shape, G.BLOCKWISE.value, block, 2, True)
+    assert compute_snr(b.float(), q.float() * scale) >= 25
+    if granularity is not G.ROWWISE:  # the scales do not depend on the direction: same values
+        other, _ = _quantize_experts(b, torch.float8_e4m3fn, config, 3 - axis)
+        assert torch.equal(q.contiguous().view(torch.uint8), other.contiguous().view(torch.uint8))
+
+
 def test_megatron_fused_wgrad_accumulation():
     lens = _group_lens("skewed", 4, 16)
     a, b, grad = _operands(lens, 64, 48, True, torch.bfloat16)
@@ -144,9 +195,11 @@ def test_opcheck_and_compile():
     torch.library.opcheck(
         impl.quantize_fp8_group_columns_impl, (a.detach(), offs, torch.float8_e4m3fn), test_utils=utils
     )
-    _assert_compiled_step_matches_eager(
-        a, b, lens, Float8QuantConfig(format=Format.HYBRID, granularity=G.ROWWISE)
-    )
+    torch.library.opcheck(impl.transpose_last_two_impl, (qb,), test_utils=utils)
+    torch.library.opcheck(impl.transpose_last_two_impl, (a.detach()[:, :16],), test_utils=utils)
+    for granularity in (G.TENSORWISE, G.ROWWISE):
+        config = Float8QuantConfig(format=Format.HYBRID, granularity=granularity)
+        _assert_compiled_step_matches_eager(a, b, lens, config)
 
 
 def test_blockwise_opcheck_and_compile():

@@ -29,7 +29,7 @@ from primus_turbo.triton.quantization import (
     tensorwise_cast_fp8_triton,
 )
 from primus_turbo.triton.utils.device_info import triton_runs_on
-from primus_turbo.triton.utils.transpose import transpose_2d_triton
+from primus_turbo.triton.utils.transpose import transpose_triton
 
 __all__ = [
     "FP8_DTYPES",
@@ -58,6 +58,7 @@ _ROWWISE = ScalingGranularity.ROWWISE.value
 _BLOCKWISE = ScalingGranularity.BLOCKWISE.value
 _MX = ScalingGranularity.MX_BLOCKWISE.value
 _FP32_MAX = torch.finfo(torch.float32).max
+_LONG_ROW = 1 << 16
 
 
 def mx_emax(dtype: torch.dtype) -> int:
@@ -160,6 +161,21 @@ def _quantize_2d_reference(
     return q.view(n_r * group_rows, n_c * group_cols)[:rows, :cols], stored
 
 
+def _long_rows(x: torch.Tensor, q: torch.Tensor, group_rows: int, group_cols: int, mx: bool) -> bool:
+    """Whole-row scales over rows of at least ``_LONG_ROW`` elements, contiguous in and out (e.g. one
+    scale per expert weight of a [G, N * K] view): too few rows to spread over the SMs."""
+    rows, cols = x.shape
+    return (
+        not mx
+        and group_rows == 1
+        and group_cols == cols
+        and cols >= _LONG_ROW
+        and rows > 0
+        and x.is_contiguous()
+        and q.is_contiguous()
+    )
+
+
 def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path, block_major=False) -> torch.Tensor:
     """Quantize the 2-D view ``x`` into the 2-D view ``q``; returns the (n_r, n_c) scales, stored
     block-major (each block's rows adjacent) when ``block_major``."""
@@ -169,6 +185,13 @@ def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path, block
         q.copy_(q_ref)
         return to_block_major(scale) if block_major else scale
     group_cols = group_cols or cols
+    if _long_rows(x, q, group_rows, group_cols, mx):
+        # one program per row would stream a whole expert weight alone: the amaxes come from a
+        # reduction over all SMs, then one cast over every row's slice
+        amax = torch.linalg.vector_norm(x, float("inf"), dim=1, dtype=torch.float32)
+        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        tensorwise_cast_fp8_triton(x, q, amax, scale)
+        return scale
     shape = (-(-rows // group_rows), -(-cols // group_cols))
     dtype = torch.uint8 if mx else torch.float32
     scale = (
@@ -264,7 +287,7 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
         q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
         # copies, never views: a custom op's outputs must not alias each other
         contiguous = torch.contiguous_format
-        q_t = transpose_2d_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
+        q_t = transpose_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
         return q, scale, q_t, scale.t().clone(memory_format=contiguous)
     if triton_path and granularity in (_BLOCKWISE, _MX):
         return _with_trans_blocks(x, out_dtype, granularity, block_size)

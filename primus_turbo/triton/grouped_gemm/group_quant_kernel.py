@@ -1,0 +1,189 @@
+"""FP8 quantization of a grouped GEMM's weight-gradient operands, written token-major.
+
+The variable-K (wgrad) GEMM reduces over each group's tokens, and Hopper's FP8 tensor cores read both
+operands with the reduction dimension contiguous, so the quantized copy of ``x`` [T, C] is stored as
+[C, T] (returned as its [T, C] transposed view). Scales follow ``quantize_fp8``'s rules
+(``_group_scale``): zeros give 1, a group holding NaN or inf gets a NaN scale, casts saturate.
+
+- ``quantize_fp8_group_columns_triton``: one scale per (group, column) over the group's tokens (the
+  row-wise recipe). One program per (group, column block) reads the group's rows twice: amax, then cast.
+- ``quantize_fp8_group_blocks_triton``: one scale per (block of B tokens counted from each group's first
+  token, column) (the block recipe). One program per (scale row, column block) reads its block once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
+from primus_turbo.triton.utils.device_info import fp8_cast_saturates
+
+__all__ = ["quantize_fp8_group_blocks_triton", "quantize_fp8_group_columns_triton"]
+
+_BLOCK_C = 128
+_COLUMN_ROWS = 64  # rows per step of the column kernel's walk over a group
+
+
+@triton.jit
+def _tile_amax(x, mask):
+    """Column amax of a tile ignoring NaN/inf, and the count of NaN/inf per column."""
+    mag = tl.abs(x)
+    nonfinite = ((mag != mag) | (mag == float("inf"))) & mask
+    amax = tl.max(tl.where(nonfinite | ~mask, 0.0, mag), axis=0)
+    return amax, tl.sum(nonfinite.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _store_token_major(q_ptr, q, rows, cols, T, mask):
+    """Store the [rows, cols] tile ``q`` into the [C, T] memory of a token-major copy."""
+    tl.store(q_ptr + cols[None, :].to(tl.int64) * T + rows[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_columns_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    offs_ptr,
+    T,
+    C,
+    stride_x,
+    FP8_MAX: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
+):
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    start = tl.load(offs_ptr + g)
+    end = tl.load(offs_ptr + g + 1)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for t0 in range(start, end, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tile_amax, tile_bad = _tile_amax(x, mask)
+        amax = tl.maximum(amax, tile_amax)
+        bad += tile_bad
+    multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+    tl.store(scale_ptr + g.to(tl.int64) * C + cols, stored, mask=col_ok)
+    for t0 in range(start, end, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
+        _store_token_major(q_ptr, q, rows, cols, T, mask)
+
+
+@triton.jit
+def _group_blocks_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    offs_ptr,
+    block_ends_ptr,
+    G,
+    T,
+    C,
+    stride_x,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
+):
+    """Scale row r is block r - first(g) of group g, where first(g) is the number of blocks of the groups
+    before it (``block_ends`` is their running total); rows past the last block hold 1."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    groups = tl.arange(0, BLOCK_G)
+    ends = tl.load(block_ends_ptr + groups, mask=groups < G, other=2**62)
+    g = tl.sum((ends <= r).to(tl.int32), axis=0)
+    scale_row = scale_ptr + r.to(tl.int64) * C + cols
+    if g < G:
+        first = tl.load(block_ends_ptr + g - 1, mask=g > 0, other=0)
+        start = tl.load(offs_ptr + g) + (r - first) * BLOCK
+        end = tl.minimum(start + BLOCK, tl.load(offs_ptr + g + 1))
+        rows = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax, bad = _tile_amax(x, mask)
+        multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+        tl.store(scale_row, stored, mask=col_ok)
+        q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
+        _store_token_major(q_ptr, q, rows, cols, T, mask)
+    else:
+        tl.store(scale_row, tl.full([BLOCK_C], 1.0, tl.float32), mask=col_ok)
+
+
+def _token_major(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """An empty FP8 [T, C] whose memory is [C, T]."""
+    return torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device).t()
+
+
+def quantize_fp8_group_columns_triton(
+    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, C] token-major, scale_inv [G, C])`` of ``x`` [T, C] (unit column stride), one scale per
+    (group, column) of the groups ``group_offs`` (int64 [G + 1], on the device) delimits."""
+    tokens, cols = x.shape
+    groups = group_offs.numel() - 1
+    q = _token_major(x, fp8_dtype)
+    scale = torch.empty((groups, cols), dtype=torch.float32, device=x.device)
+    if groups == 0 or cols == 0:
+        return q, scale
+    _group_columns_kernel[(groups, triton.cdiv(cols, _BLOCK_C))](
+        x,
+        q,
+        scale,
+        group_offs,
+        tokens,
+        cols,
+        x.stride(0),
+        FP8_MAX=torch.finfo(fp8_dtype).max,
+        BLOCK_T=_COLUMN_ROWS,
+        BLOCK_C=_BLOCK_C,
+        CAST_SATURATES=fp8_cast_saturates(x.device, fp8_dtype),
+        num_warps=8,
+    )
+    return q, scale
+
+
+def quantize_fp8_group_blocks_triton(
+    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, block: int, scale_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, C] token-major, scale_inv [scale_rows, C])`` of ``x`` [T, C] (unit column stride), one
+    scale per (block of ``block`` tokens counted from each group's first token, column); ``scale_rows``
+    bounds the blocks of any group sizes (``ceil(T / block) + G``), and the rows past the last block
+    hold 1."""
+    tokens, cols = x.shape
+    groups = group_offs.numel() - 1
+    q = _token_major(x, fp8_dtype)
+    scale = torch.empty((scale_rows, cols), dtype=torch.float32, device=x.device)
+    if cols == 0 or scale_rows == 0:
+        return q, scale
+    lens = group_offs[1:] - group_offs[:-1]
+    block_ends = torch.cumsum(torch.div(lens + block - 1, block, rounding_mode="floor"), 0)
+    _group_blocks_kernel[(scale_rows, triton.cdiv(cols, _BLOCK_C))](
+        x,
+        q,
+        scale,
+        group_offs,
+        block_ends,
+        groups,
+        tokens,
+        cols,
+        x.stride(0),
+        FP8_MAX=torch.finfo(fp8_dtype).max,
+        BLOCK=block,
+        BLOCK_G=triton.next_power_of_2(max(groups, 1)),
+        BLOCK_C=_BLOCK_C,
+        CAST_SATURATES=fp8_cast_saturates(x.device, fp8_dtype),
+        num_warps=8,
+    )
+    return q, scale
