@@ -9,8 +9,13 @@ Scaling per granularity (``Format.HYBRID``: E4M3 forward operands, E5M2 gradient
   tokens (``quantize_fp8_group_columns``).
 - BLOCKWISE (the DeepSeek-V3 recipe): tokens and gradients 1 x B along the reduction dimension, each
   expert's weight in B x B tiles (which serve the forward and dgrad alike); the wgrad operands get one
-  scale per column for every B tokens of a group, counted from its first token
-  (``quantize_fp8_group_blocks``), so group sizes need not be multiples of B. K and N must be.
+  scale per column for every stretch of B tokens (aligned to multiples of B, cut at group boundaries:
+  ``quantize_fp8_group_blocks``), so group sizes need not be multiples of B. K and N must be.
+
+Layouts: every FP8 operand reaches its GEMM with the reduction dimension contiguous, the layout
+Hopper's FP8 tensor cores read: weights K-major for the forward and N-major for dgrad (a transposed FP8
+copy, or for ROWWISE the weights quantized along N into that layout), and the wgrad operands
+token-major.
 """
 
 from __future__ import annotations

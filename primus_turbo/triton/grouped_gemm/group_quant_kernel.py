@@ -7,8 +7,12 @@ operands with the reduction dimension contiguous, so the quantized copy of ``x``
 
 - ``quantize_fp8_group_columns_triton``: one scale per (group, column) over the group's tokens (the
   row-wise recipe). One program per (group, column block) reads the group's rows twice: amax, then cast.
-- ``quantize_fp8_group_blocks_triton``: one scale per (block of B tokens counted from each group's first
-  token, column) (the block recipe). One program per (scale row, column block) reads its block once.
+- ``quantize_fp8_group_blocks_triton``: one scale per (block, column) (the block recipe), the blocks
+  being the stretches of B tokens aligned to multiples of B that a group's tokens touch. One program per
+  (scale row, column block) reads its block once.
+
+Both walk the tokens from aligned positions (masking the rows outside a group), so that the token-major
+stores, like the wgrad kernel's loads, start on 16-byte boundaries.
 """
 
 from __future__ import annotations
@@ -60,20 +64,21 @@ def _group_columns_kernel(
     col_ok = cols < C
     start = tl.load(offs_ptr + g)
     end = tl.load(offs_ptr + g + 1)
+    first = (start // BLOCK_T) * BLOCK_T
     amax = tl.zeros([BLOCK_C], dtype=tl.float32)
     bad = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in range(first, end, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask = (rows < end)[:, None] & col_ok[None, :]
+        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tile_amax, tile_bad = _tile_amax(x, mask)
         amax = tl.maximum(amax, tile_amax)
         bad += tile_bad
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
     tl.store(scale_ptr + g.to(tl.int64) * C + cols, stored, mask=col_ok)
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in range(first, end, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask = (rows < end)[:, None] & col_ok[None, :]
+        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
         _store_token_major(q_ptr, q, rows, cols, T, mask)
@@ -96,7 +101,7 @@ def _group_blocks_kernel(
     BLOCK_C: tl.constexpr,
     CAST_SATURATES: tl.constexpr,
 ):
-    """Scale row r is block r - first(g) of group g, where first(g) is the number of blocks of the groups
+    """Scale row r is block r - base(g) of group g, where base(g) is the number of blocks of the groups
     before it (``block_ends`` is their running total); rows past the last block hold 1."""
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -106,11 +111,12 @@ def _group_blocks_kernel(
     g = tl.sum((ends <= r).to(tl.int32), axis=0)
     scale_row = scale_ptr + r.to(tl.int64) * C + cols
     if g < G:
-        first = tl.load(block_ends_ptr + g - 1, mask=g > 0, other=0)
-        start = tl.load(offs_ptr + g) + (r - first) * BLOCK
-        end = tl.minimum(start + BLOCK, tl.load(offs_ptr + g + 1))
-        rows = start + tl.arange(0, BLOCK).to(tl.int64)
-        mask = (rows < end)[:, None] & col_ok[None, :]
+        base = tl.load(block_ends_ptr + g - 1, mask=g > 0, other=0)
+        group_start = tl.load(offs_ptr + g)
+        lo = (group_start // BLOCK + r - base) * BLOCK
+        rows = lo + tl.arange(0, BLOCK).to(tl.int64)
+        inside = (rows >= group_start) & (rows < tl.load(offs_ptr + g + 1))
+        mask = inside[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax, bad = _tile_amax(x, mask)
         multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
@@ -155,20 +161,24 @@ def quantize_fp8_group_columns_triton(
 
 
 def quantize_fp8_group_blocks_triton(
-    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, block: int, scale_rows: int
+    x: torch.Tensor,
+    group_offs: torch.Tensor,
+    block_ends: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    block: int,
+    scale_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, C] token-major, scale_inv [scale_rows, C])`` of ``x`` [T, C] (unit column stride), one
-    scale per (block of ``block`` tokens counted from each group's first token, column); ``scale_rows``
-    bounds the blocks of any group sizes (``ceil(T / block) + G``), and the rows past the last block
-    hold 1."""
+    scale per (block, column): group g's blocks are the stretches of ``block`` tokens aligned to
+    multiples of ``block`` that its tokens touch, ``block_ends`` (int64 [G]) the running total of the
+    blocks per group. ``scale_rows`` bounds the blocks of any group sizes (``ceil(T / block) + G``); the
+    rows past the last block hold 1."""
     tokens, cols = x.shape
     groups = group_offs.numel() - 1
     q = _token_major(x, fp8_dtype)
     scale = torch.empty((scale_rows, cols), dtype=torch.float32, device=x.device)
     if cols == 0 or scale_rows == 0:
         return q, scale
-    lens = group_offs[1:] - group_offs[:-1]
-    block_ends = torch.cumsum(torch.div(lens + block - 1, block, rounding_mode="floor"), 0)
     _group_blocks_kernel[(scale_rows, triton.cdiv(cols, _BLOCK_C))](
         x,
         q,

@@ -193,14 +193,15 @@ def _grouped_variable_k_jit(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One program per (group, output tile): BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the
     group's tokens. The operands come with both strides (FP8 ones token-major, see the module
     docstring). With SCALED the operands are FP8 and their scales (one, or one per (group, column))
     are constant along the reduction, so they apply once to the finished tile. With PER_BLOCK (BLOCK_K =
-    the scale block) every BLOCK_K tokens of a group, counted from its first token, have their own
-    scale row (``block_base[g]`` is the group's first), and each block's product is scaled before it is
-    added."""
+    the scale block) each stretch of BLOCK_K tokens aligned to a multiple of BLOCK_K that the group
+    touches has its own scale row (``block_base[g]`` is the group's first), and each block's product is
+    scaled before it is added."""
     g = tl.program_id(0)
     tile = tl.program_id(1)
     num_pid_q = tl.cdiv(Q, BLOCK_N)
@@ -213,9 +214,15 @@ def _grouped_variable_k_jit(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PER_BLOCK:
         block_row = tl.load(block_base_ptr + g)
-    for k0 in range(start, end, BLOCK_K):
+    # from an aligned token (earlier rows masked off): token-major FP8 operands then load in 16-byte
+    # pieces, and the scale blocks start on multiples of BLOCK_K
+    if PER_BLOCK:
+        first = (start // BLOCK_K) * BLOCK_K
+    else:
+        first = (start // ALIGN) * ALIGN
+    for k0 in range(first, end, BLOCK_K):
         ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_ok = ks < end
+        k_ok = (ks >= start) & (ks < end)
         lhs = tl.load(
             lhs_ptr + ps[:, None] * stride_lp + ks[None, :] * stride_lt,
             mask=p_ok[:, None] & k_ok[None, :],
@@ -391,6 +398,7 @@ def grouped_gemm_variable_k_triton(
         SCALED=False,
         PER_COLUMN=False,
         PER_BLOCK=False,
+        ALIGN=1,
     )
     return out
 
@@ -513,5 +521,6 @@ def grouped_gemm_fp8_variable_k_triton(
         SCALED=True,
         PER_COLUMN=lhs_scale.dim() > 0,
         PER_BLOCK=per_block,
+        ALIGN=16,
     )
     return out

@@ -11,10 +11,11 @@ variable-K (wgrad) GEMM needs.
   ``block_size`` B, one scale row per B tokens of each group (``quantize_fp8_group_blocks``).
 - ``primus_turbo::quantize_fp8_group_columns``: x [T, C] quantized along its rows within each group,
   one scale per (group, column): the wgrad operands of the row-wise recipe.
-- ``primus_turbo::quantize_fp8_group_blocks``: x [T, C] quantized along its rows in blocks of B tokens
-  counted from each group's first token, one scale per (block, column): the wgrad operands of the
-  block recipe. The scale tensor has ``ceil(T / B) + G`` rows (an upper bound on the blocks, so that
-  its size does not depend on the group sizes); rows past the last block hold 1.
+- ``primus_turbo::quantize_fp8_group_blocks``: x [T, C] quantized along its rows in blocks of B tokens,
+  aligned to multiples of B in the token dimension and cut at group boundaries, one scale per (block,
+  column): the wgrad operands of the block recipe. The scale tensor has ``ceil(T / B) + G`` rows (an
+  upper bound on the blocks, so that its size does not depend on the group sizes); rows past the last
+  block hold 1.
 
 Layouts: Hopper's FP8 tensor cores read both operands with the reduction dimension contiguous (other
 layouts ran the Triton kernels 4-8x slower on H200), so the GEMMs take views of any strides and their
@@ -60,6 +61,7 @@ __all__ = [
     "group_block_base",
     "group_block_count",
     "group_block_rows",
+    "group_blocks",
     "group_blocks_reference",
     "group_columns_reference",
     "grouped_gemm_fp8_impl",
@@ -77,20 +79,30 @@ def _group_ids(group_offs: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(groups, device=group_offs.device), lens, output_size=tokens)
 
 
+def group_blocks(group_offs: torch.Tensor, block: int) -> torch.Tensor:
+    """Scale blocks of every group [G]: the stretches of ``block`` tokens, aligned to multiples of
+    ``block`` in the token dimension, that the group's tokens touch (0 for an empty group)."""
+    start, end = group_offs[:-1], group_offs[1:]
+    touched = torch.div(end + block - 1, block, rounding_mode="floor") - torch.div(
+        start, block, rounding_mode="floor"
+    )
+    return torch.where(end > start, touched, 0)
+
+
 def group_block_base(group_offs: torch.Tensor, block: int) -> torch.Tensor:
-    """First scale row of every group [G] for blocks of ``block`` tokens per group (no host sync)."""
-    lens = group_offs[1:] - group_offs[:-1]
-    blocks = torch.div(lens + block - 1, block, rounding_mode="floor")
+    """First scale row of every group [G] (no host sync)."""
+    blocks = group_blocks(group_offs, block)
     return torch.cumsum(blocks, 0) - blocks
 
 
 def group_block_rows(group_offs: torch.Tensor, tokens: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale row of every token [T], first scale row of every group [G])`` for blocks of ``block``
-    tokens counted from each group's first token, from the device offsets (no host sync)."""
+    """``(scale row of every token [T], first scale row of every group [G])`` for the blocks of
+    ``group_blocks``, from the device offsets (no host sync)."""
     base = group_block_base(group_offs, block)
     ids = _group_ids(group_offs, tokens)
-    position = torch.arange(tokens, device=group_offs.device) - group_offs[:-1][ids]
-    return base[ids] + torch.div(position, block, rounding_mode="floor"), base
+    first = torch.div(group_offs[:-1], block, rounding_mode="floor")
+    aligned = torch.div(torch.arange(tokens, device=group_offs.device), block, rounding_mode="floor")
+    return base[ids] + aligned - first[ids], base
 
 
 def group_block_count(tokens: int, groups: int, block: int) -> int:
@@ -345,12 +357,14 @@ def _quantize_fp8_group_columns_fake(x, group_offs, fp8_dtype):
 def quantize_fp8_group_blocks_impl(
     x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [T, C], scale_inv [ceil(T / B) + G, C])``: x quantized along its rows in blocks of
-    ``block_size`` tokens counted from each group's first token, one scale per (block, column), with
-    the scale rules of ``quantize_fp8``; unused scale rows hold 1. ``q`` is token-major (stored [C, T])."""
+    """``(q [T, C], scale_inv [ceil(T / B) + G, C])``: x quantized along its rows in the blocks of
+    ``group_blocks`` (``block_size`` tokens aligned in the token dimension, cut at group boundaries), one
+    scale per (block, column), with the scale rules of ``quantize_fp8``; unused scale rows hold 1. ``q``
+    is token-major (stored [C, T])."""
     if triton_runs_on(x.device):
         count = group_block_count(x.shape[0], group_offs.numel() - 1, block_size)
-        return quantize_fp8_group_blocks_triton(x, group_offs, fp8_dtype, block_size, count)
+        block_ends = torch.cumsum(group_blocks(group_offs, block_size), 0)
+        return quantize_fp8_group_blocks_triton(x, group_offs, block_ends, fp8_dtype, block_size, count)
     return group_blocks_reference(x, group_offs, fp8_dtype, block_size)
 
 
