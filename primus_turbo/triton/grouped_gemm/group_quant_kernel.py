@@ -40,9 +40,40 @@ def _tile_amax(x, mask):
 
 
 @triton.jit
-def _store_token_major(q_ptr, q, rows, cols, T, mask):
-    """Store the [rows, cols] tile ``q`` into the [C, T] memory of a token-major copy."""
+def _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, PARTIAL: tl.constexpr):
+    """Store the [rows, cols] tile ``q`` into the [C, T] memory of a token-major copy. Only a PARTIAL
+    tile masks rows outside [start, end): a mask varying along the contiguous dimension would break the
+    stores into single bytes."""
+    if PARTIAL:
+        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
+    else:
+        mask = col_ok[None, :]
     tl.store(q_ptr + cols[None, :].to(tl.int64) * T + rows[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cast_rows(
+    x_ptr,
+    q_ptr,
+    t0,
+    start,
+    end,
+    cols,
+    col_ok,
+    multiplier,
+    T,
+    stride_x,
+    PARTIAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
+):
+    """Quantize rows t0 .. t0 + BLOCK_T (those in [start, end)) into the token-major copy."""
+    rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
+    _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, PARTIAL)
 
 
 @triton.jit
@@ -76,12 +107,31 @@ def _group_columns_kernel(
         bad += tile_bad
     multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
     tl.store(scale_ptr + g.to(tl.int64) * C + cols, stored, mask=col_ok)
-    for t0 in range(first, end, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
-        _store_token_major(q_ptr, q, rows, cols, T, mask)
+    # the cast: a partial first and last tile around whole ones
+    lo = ((start + BLOCK_T - 1) // BLOCK_T) * BLOCK_T
+    hi = (end // BLOCK_T) * BLOCK_T
+    if end > start:
+        if lo > hi:
+            _cast_rows(
+                x_ptr, q_ptr, hi, start, end, cols, col_ok, multiplier, T, stride_x,
+                True, FP8_MAX, BLOCK_T, CAST_SATURATES,
+            )  # fmt: skip
+        else:
+            if start < lo:
+                _cast_rows(
+                    x_ptr, q_ptr, lo - BLOCK_T, start, end, cols, col_ok, multiplier, T, stride_x,
+                    True, FP8_MAX, BLOCK_T, CAST_SATURATES,
+                )  # fmt: skip
+            for t0 in range(lo, hi, BLOCK_T):
+                _cast_rows(
+                    x_ptr, q_ptr, t0, start, end, cols, col_ok, multiplier, T, stride_x,
+                    False, FP8_MAX, BLOCK_T, CAST_SATURATES,
+                )  # fmt: skip
+            if hi < end:
+                _cast_rows(
+                    x_ptr, q_ptr, hi, start, end, cols, col_ok, multiplier, T, stride_x,
+                    True, FP8_MAX, BLOCK_T, CAST_SATURATES,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -112,17 +162,20 @@ def _group_blocks_kernel(
     scale_row = scale_ptr + r.to(tl.int64) * C + cols
     if g < G:
         base = tl.load(block_ends_ptr + g - 1, mask=g > 0, other=0)
-        group_start = tl.load(offs_ptr + g)
-        lo = (group_start // BLOCK + r - base) * BLOCK
+        start = tl.load(offs_ptr + g)
+        end = tl.load(offs_ptr + g + 1)
+        lo = (start // BLOCK + r - base) * BLOCK
         rows = lo + tl.arange(0, BLOCK).to(tl.int64)
-        inside = (rows >= group_start) & (rows < tl.load(offs_ptr + g + 1))
-        mask = inside[:, None] & col_ok[None, :]
+        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax, bad = _tile_amax(x, mask)
         multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
         tl.store(scale_row, stored, mask=col_ok)
         q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
-        _store_token_major(q_ptr, q, rows, cols, T, mask)
+        if (lo >= start) & (lo + BLOCK <= end):
+            _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, False)
+        else:
+            _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, True)
     else:
         tl.store(scale_row, tl.full([BLOCK_C], 1.0, tl.float32), mask=col_ok)
 

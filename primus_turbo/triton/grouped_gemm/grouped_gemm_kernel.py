@@ -164,6 +164,57 @@ def _grouped_gemm_jit(
         tiles_before += group_tiles
 
 
+@triton.jit
+def _variable_k_block(
+    acc,
+    lhs_ptr,
+    rhs_ptr,
+    lhs_scale_ptr,
+    rhs_scale_ptr,
+    k0,
+    start,
+    end,
+    block_row,
+    ps,
+    qs,
+    p_ok,
+    q_ok,
+    stride_lt,
+    stride_lp,
+    stride_rt,
+    stride_rq,
+    stride_ls,
+    stride_rs,
+    PARTIAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """acc plus the product over tokens k0 .. k0 + BLOCK_K. Only a PARTIAL block (a group's first or
+    last) masks tokens: a mask that varies along the contiguous token dimension of a token-major
+    operand turns its 16-byte loads into single bytes."""
+    ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+    if PARTIAL:
+        k_ok = (ks >= start) & (ks < end)
+        lhs_mask = p_ok[:, None] & k_ok[None, :]
+        rhs_mask = k_ok[:, None] & q_ok[None, :]
+    else:
+        lhs_mask = p_ok[:, None]
+        rhs_mask = q_ok[None, :]
+    lhs = tl.load(lhs_ptr + ps[:, None] * stride_lp + ks[None, :] * stride_lt, mask=lhs_mask, other=0.0)
+    rhs = tl.load(rhs_ptr + ks[:, None] * stride_rt + qs[None, :] * stride_rq, mask=rhs_mask, other=0.0)
+    if PER_BLOCK:
+        sl = tl.load(lhs_scale_ptr + block_row * stride_ls + ps, mask=p_ok, other=0.0)
+        sr = tl.load(rhs_scale_ptr + block_row * stride_rs + qs, mask=q_ok, other=0.0)
+        acc += tl.dot(lhs, rhs) * (sl[:, None] * sr[None, :])
+    elif SCALED:
+        acc = tl.dot(lhs, rhs, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["G"])
 def _grouped_variable_k_jit(
     lhs_ptr,
@@ -193,15 +244,14 @@ def _grouped_variable_k_jit(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ALIGN: tl.constexpr,
 ):
     """One program per (group, output tile): BLOCK_M tiles P, BLOCK_N tiles Q and BLOCK_K walks the
-    group's tokens. The operands come with both strides (FP8 ones token-major, see the module
-    docstring). With SCALED the operands are FP8 and their scales (one, or one per (group, column))
-    are constant along the reduction, so they apply once to the finished tile. With PER_BLOCK (BLOCK_K =
-    the scale block) each stretch of BLOCK_K tokens aligned to a multiple of BLOCK_K that the group
-    touches has its own scale row (``block_base[g]`` is the group's first), and each block's product is
-    scaled before it is added."""
+    group's tokens in blocks aligned to multiples of BLOCK_K: a partial first and last block around
+    full ones, which load whole 16-byte pieces of token-major operands (see the module docstring).
+    With SCALED the operands are FP8 and their scales (one, or one per (group, column)) are constant
+    along the reduction, so they apply once to the finished tile. With PER_BLOCK (BLOCK_K = the scale
+    block) every aligned block the group touches has its own scale row (``block_base[g]`` is the
+    group's first), and each block's product is scaled before it is added."""
     g = tl.program_id(0)
     tile = tl.program_id(1)
     num_pid_q = tl.cdiv(Q, BLOCK_N)
@@ -212,36 +262,39 @@ def _grouped_variable_k_jit(
     start = tl.load(offs_ptr + g)
     end = tl.load(offs_ptr + g + 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    block_row = start
     if PER_BLOCK:
         block_row = tl.load(block_base_ptr + g)
-    # from an aligned token (earlier rows masked off): token-major FP8 operands then load in 16-byte
-    # pieces, and the scale blocks start on multiples of BLOCK_K
-    if PER_BLOCK:
-        first = (start // BLOCK_K) * BLOCK_K
-    else:
-        first = (start // ALIGN) * ALIGN
-    for k0 in range(first, end, BLOCK_K):
-        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_ok = (ks >= start) & (ks < end)
-        lhs = tl.load(
-            lhs_ptr + ps[:, None] * stride_lp + ks[None, :] * stride_lt,
-            mask=p_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        rhs = tl.load(
-            rhs_ptr + ks[:, None] * stride_rt + qs[None, :] * stride_rq,
-            mask=k_ok[:, None] & q_ok[None, :],
-            other=0.0,
-        )
-        if PER_BLOCK:
-            sl = tl.load(lhs_scale_ptr + block_row * stride_ls + ps, mask=p_ok, other=0.0)
-            sr = tl.load(rhs_scale_ptr + block_row * stride_rs + qs, mask=q_ok, other=0.0)
-            acc += tl.dot(lhs, rhs) * (sl[:, None] * sr[None, :])
-            block_row += 1
-        elif SCALED:
-            acc = tl.dot(lhs, rhs, acc, max_num_imprecise_acc=BLOCK_K)
+    lo = ((start + BLOCK_K - 1) // BLOCK_K) * BLOCK_K  # the first full block's start
+    hi = (end // BLOCK_K) * BLOCK_K  # the last full block's end
+    if end > start:
+        if lo > hi:  # the group lies inside one block
+            acc = _variable_k_block(
+                acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, hi, start, end, block_row,
+                ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
+                True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
+            )  # fmt: skip
         else:
-            acc = tl.dot(lhs, rhs, acc, input_precision=DOT_PRECISION)
+            if start < lo:
+                acc = _variable_k_block(
+                    acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, lo - BLOCK_K, start, end, block_row,
+                    ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
+                    True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
+                )  # fmt: skip
+                block_row += 1
+            for k0 in range(lo, hi, BLOCK_K):
+                acc = _variable_k_block(
+                    acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, k0, start, end, block_row,
+                    ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
+                    False, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
+                )  # fmt: skip
+                block_row += 1
+            if hi < end:
+                acc = _variable_k_block(
+                    acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, hi, start, end, block_row,
+                    ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
+                    True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
+                )  # fmt: skip
     if SCALED and not PER_BLOCK:
         if PER_COLUMN:
             sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
@@ -398,7 +451,6 @@ def grouped_gemm_variable_k_triton(
         SCALED=False,
         PER_COLUMN=False,
         PER_BLOCK=False,
-        ALIGN=1,
     )
     return out
 
@@ -521,6 +573,5 @@ def grouped_gemm_fp8_variable_k_triton(
         SCALED=True,
         PER_COLUMN=lhs_scale.dim() > 0,
         PER_BLOCK=per_block,
-        ALIGN=16,
     )
     return out
