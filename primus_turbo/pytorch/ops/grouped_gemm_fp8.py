@@ -34,6 +34,7 @@ from primus_turbo.pytorch.core.validation import check_dtype
 from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_impl,
+    grouped_gemm_fp8_variable_k_accum_impl,
     grouped_gemm_fp8_variable_k_impl,
     quantize_fp8_group_blocks_impl,
     quantize_fp8_group_columns_impl,
@@ -146,10 +147,7 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
             # [G, N, K] = per group dy^T a for the transposed layout, else [G, K, N] = a^T dy
             operands = (qg_t, sg_t, qa_t, sa_t) if trans_b else (qa_t, sa_t, qg_t, sg_t)
             if ctx.accum_pattern == "megatron":
-                result = call_op(
-                    grouped_gemm_fp8_variable_k_impl, *operands, group_offs, torch.float32, block
-                )
-                b.main_grad.add_(result)
+                call_op(grouped_gemm_fp8_variable_k_accum_impl, *operands, group_offs, b.main_grad, block)
                 grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, group_offs, b.dtype, block)

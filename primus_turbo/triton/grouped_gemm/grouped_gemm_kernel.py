@@ -332,8 +332,10 @@ _grouped_gemm_variable_k_kernel = triton.autotune(
 )(_grouped_variable_k_jit)
 _grouped_gemm_fp8_variable_k_kernel = triton.autotune(
     configs=_fp8_configs(),
-    key=["P", "Q", "G", "DTYPES", "PER_COLUMN", "PER_BLOCK"],
+    key=["P", "Q", "G", "DTYPES", "PER_COLUMN", "PER_BLOCK", "ACCUMULATE"],
     prune_configs_by={"early_config_prune": _prune},
+    pre_hook=_keep_output.save,
+    post_hook=_keep_output.restore,
     do_bench=tuning_bench,
 )(_grouped_variable_k_jit)
 
@@ -532,16 +534,23 @@ def grouped_gemm_fp8_variable_k_triton(
     group_offs: torch.Tensor,
     out_dtype: torch.dtype,
     block_base: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` of FP8 ``lhs`` [T, P] and ``rhs`` [T, Q] (views,
     fastest token-major) with 0-d scales or contiguous [G, P] / [G, Q] per-(group, column) scales; or,
     with ``block_base`` (the int64 [G] first scale row of each group), [rows, P] / [rows, Q] scales with
-    one row per ``grouped_fp8_scale_block()`` tokens of a group (``quantize_fp8_group_blocks``)."""
+    one row per ``grouped_fp8_scale_block()`` tokens of a group (``quantize_fp8_group_blocks``). With
+    ``out`` ([G, P, Q], unit last stride) the products are added into it (fused wgrad accumulation)
+    and ``out`` is returned; every program writes its whole tile, so a fresh output needs no zeroing."""
     groups = group_offs.numel() - 1
     p, q = lhs.shape[1], rhs.shape[1]
-    out = torch.zeros((groups, p, q), dtype=out_dtype, device=lhs.device)
-    if groups == 0 or p == 0 or q == 0 or lhs.shape[0] == 0:
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((groups, p, q), dtype=out_dtype, device=lhs.device)
+    if groups == 0 or p == 0 or q == 0:
         return out
+    if lhs.shape[0] == 0:
+        return out if accumulate else out.zero_()
 
     def grid(meta: dict) -> tuple[int, int]:
         return (groups, triton.cdiv(p, meta["BLOCK_M"]) * triton.cdiv(q, meta["BLOCK_N"]))
@@ -567,8 +576,8 @@ def grouped_gemm_fp8_variable_k_triton(
         out.stride(1),
         lhs_scale.stride(0) if per_block else 0,
         rhs_scale.stride(0) if per_block else 0,
-        ACCUMULATE=False,
-        DTYPES=f"{lhs.dtype}x{rhs.dtype}->{out_dtype}",
+        ACCUMULATE=accumulate,
+        DTYPES=f"{lhs.dtype}x{rhs.dtype}->{out.dtype}",
         DOT_PRECISION="tf32",
         SCALED=True,
         PER_COLUMN=lhs_scale.dim() > 0,

@@ -193,6 +193,8 @@ def test_opcheck_and_compile():
     torch.library.opcheck(impl.grouped_gemm_fp8_impl, args, test_utils=utils)
     args = (qa, torch.ones(4, 32, device=DEVICE), grad.to(torch.float8_e5m2), one, offs, torch.float32)
     torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_impl, args, test_utils=utils)
+    accum = (*args[:5], torch.zeros(4, 32, 16, device=DEVICE))
+    torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_accum_impl, accum, test_utils=utils)
     torch.library.opcheck(
         impl.quantize_fp8_group_columns_impl, (a.detach(), offs, torch.float8_e4m3fn), test_utils=utils
     )
@@ -287,6 +289,10 @@ def test_triton_variable_k_kernel(per_column):
     sl = torch.rand(5, 16, device=DEVICE) + 0.5 if per_column else torch.tensor(0.7, device=DEVICE)
     sr = torch.rand(5, 8, device=DEVICE) + 0.5 if per_column else torch.tensor(1.3, device=DEVICE)
     out = grouped_gemm_fp8_variable_k_triton(lhs, sl, rhs, sr, offs, torch.float32)
+    main_grad = torch.randn(5, 16, 8, device=DEVICE)
+    accumulated = main_grad.clone()
+    grouped_gemm_fp8_variable_k_triton(lhs, sl, rhs, sr, offs, torch.float32, out=accumulated)
+    torch.testing.assert_close(accumulated, main_grad + out, rtol=1e-6, atol=1e-6)
     bounds = offs.tolist()
     for g in range(5):
         left = lhs[bounds[g] : bounds[g + 1]].double() * (sl[g].double() if per_column else sl.double())

@@ -9,6 +9,8 @@ variable-K (wgrad) GEMM needs.
 - ``primus_turbo::grouped_gemm_fp8_variable_k``: [G, P, Q] = per group ``(lhs * s)^T (rhs * s)`` over the
   group's rows, with 0-d scales or one scale per (group, column) ([G, P] and [G, Q]); with
   ``block_size`` B, one scale row per B tokens of each group (``quantize_fp8_group_blocks``).
+- ``primus_turbo::grouped_gemm_fp8_variable_k_accum``: the same added into ``out`` (Megatron's fp32
+  ``main_grad``) in the kernel's epilogue.
 - ``primus_turbo::quantize_fp8_group_columns``: x [T, C] quantized along its rows within each group,
   one scale per (group, column): the wgrad operands of the row-wise recipe.
 - ``primus_turbo::quantize_fp8_group_blocks``: x [T, C] quantized along its rows in blocks of B tokens,
@@ -65,6 +67,7 @@ __all__ = [
     "group_blocks_reference",
     "group_columns_reference",
     "grouped_gemm_fp8_impl",
+    "grouped_gemm_fp8_variable_k_accum_impl",
     "grouped_gemm_fp8_variable_k_impl",
     "quantize_fp8_group_blocks_impl",
     "quantize_fp8_group_columns_impl",
@@ -263,10 +266,15 @@ def grouped_gemm_fp8_variable_k_impl(
     block_size: int = 0,
 ) -> torch.Tensor:
     """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows."""
-    groups = group_offs.numel() - 1
     if lhs.device.type == "cuda":
         base = group_block_base(group_offs, block_size) if block_size else None
         return grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, base)
+    return _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size).to(out_dtype)
+
+
+def _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size: int) -> torch.Tensor:
+    """fp32 [G, P, Q]: the dequantized operands multiplied per group (the reference path)."""
+    groups = group_offs.numel() - 1
     if block_size:
         rows, _ = group_block_rows(group_offs, lhs.shape[0], block_size)
     else:
@@ -280,12 +288,36 @@ def grouped_gemm_fp8_variable_k_impl(
         out = left.new_zeros((groups, lhs.shape[1], rhs.shape[1]))
         for g in range(groups):
             torch.mm(left[bounds[g] : bounds[g + 1]].t(), right[bounds[g] : bounds[g + 1]], out=out[g])
-    return out.to(out_dtype)
+    return out
 
 
 @grouped_gemm_fp8_variable_k_impl.register_fake
 def _grouped_gemm_fp8_variable_k_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, block_size=0):
     return lhs.new_empty((group_offs.shape[0] - 1, lhs.shape[1], rhs.shape[1]), dtype=out_dtype)
+
+
+@custom_op("primus_turbo::grouped_gemm_fp8_variable_k_accum", mutates_args=("out",))
+def grouped_gemm_fp8_variable_k_accum_impl(
+    lhs: torch.Tensor,
+    lhs_scale: torch.Tensor,
+    rhs: torch.Tensor,
+    rhs_scale: torch.Tensor,
+    group_offs: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int = 0,
+) -> None:
+    """``out[g] +=`` the variable-K product (fp32 ``main_grad``, the fused wgrad accumulation), inside the
+    GEMM's epilogue on GPUs: no [G, P, Q] temporary and no separate add."""
+    if lhs.device.type == "cuda" and out.stride(-1) == 1:
+        base = group_block_base(group_offs, block_size) if block_size else None
+        grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out.dtype, base, out)
+        return
+    out.add_(_variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size))
+
+
+@grouped_gemm_fp8_variable_k_accum_impl.register_fake
+def _grouped_gemm_fp8_variable_k_accum_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out, block_size=0):
+    return None
 
 
 @custom_op("primus_turbo::transpose_last_two", mutates_args=())
