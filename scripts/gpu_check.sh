@@ -21,7 +21,8 @@
 #   NORM_ACT_SWEEP=1    time the RMSNorm-backward / gated-activation launch candidates against a same-size copy
 #   DUAL_BLOCK=1        time the Triton and C++ dual 1 x 128 FP8 emitters (quantize, RMSNorm, SwiGLU) against a copy
 #   GROUPED=1           also run the grouped GEMM benchmark, bf16 and FP8 (GROUPED_SHAPES, default quick;
-#                       GROUPED_FP8, default "tensorwise rowwise blockwise")
+#                       GROUPED_FP8, default "tensorwise rowwise blockwise"), and profile one FP8 step
+#                       (GROUPED_PROFILE, G x T x N x K, default DeepSeek-V3 fc1 at EP 8)
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -129,6 +130,8 @@ if [ "${GROUPED:-0}" = 1 ]; then
       -o "$OUT/grouped_gemm_fp8_${granularity}.csv" 2>&1 | tee "$OUT/bench_grouped_gemm_fp8_${granularity}.log" \
       || status=1
   done
+  PYTHONPATH=. timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_PROFILE:-32x2048x4096x7168}" \
+    > "$OUT/profile_grouped_fp8.log" 2>&1 || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
 timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_gemm_turbo --shapes "$SHAPES" \
