@@ -151,6 +151,8 @@ FUSED_SHAPES = [(6, 2 * 96), (5, 2 * 2880), (3, 2 * 1536), (0, 64)] + ([(4096, 2
 def test_fused_fp8_output_equals_quantizing_the_unfused_output(
     name, config_name, shape, with_probs, columnwise
 ):
+    if not ON_GPU and name == "geglu" and shape[-1] > 4096:
+        pytest.skip("a minute each under the interpreter: SwiGLU covers the wide rows on the CPU")
     config = FUSED_CONFIGS[config_name]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=gen).to(DEVICE, torch.bfloat16)

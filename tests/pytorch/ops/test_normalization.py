@@ -176,6 +176,8 @@ FUSED_CONFIGS = {
 )
 @pytest.mark.parametrize("name", list(FUSED_CONFIGS))
 def test_rmsnorm_fp8_equals_quantizing_the_unfused_output(name, shape, dtype, columnwise):
+    if not ON_GPU and dtype == torch.float32 and shape[-1] > 1024:
+        pytest.skip("a minute each under the interpreter: bf16 covers the wide rows on the CPU")
     config = FUSED_CONFIGS[name]
     x, gamma, _ = _tensors(shape, dtype)
     fused = rmsnorm_fp8(x, gamma, config, columnwise=columnwise)
