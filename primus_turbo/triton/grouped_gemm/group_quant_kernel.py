@@ -11,8 +11,9 @@ operands with the reduction dimension contiguous, so the quantized copy of ``x``
   being the stretches of B tokens aligned to multiples of B that a group's tokens touch. One program per
   (scale row, column block) reads its block once.
 
-Both walk the tokens from aligned positions (masking the rows outside a group), so that the token-major
-stores, like the wgrad kernel's loads, start on 16-byte boundaries.
+Both walk the tokens in tiles aligned in the token dimension, and only a group's partial first and last
+tiles mask rows: whole tiles store 16-byte pieces of the token-major copy, which a mask varying along
+the tokens would break into single bytes (the wgrad kernel reads it the same way).
 """
 
 from __future__ import annotations
