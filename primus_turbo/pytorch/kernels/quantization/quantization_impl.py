@@ -59,6 +59,7 @@ _BLOCKWISE = ScalingGranularity.BLOCKWISE.value
 _MX = ScalingGranularity.MX_BLOCKWISE.value
 _FP32_MAX = torch.finfo(torch.float32).max
 _LONG_ROW = 1 << 16
+_FEW_ROWS = 4096
 
 
 def mx_emax(dtype: torch.dtype) -> int:
@@ -162,15 +163,16 @@ def _quantize_2d_reference(
 
 
 def _long_rows(x: torch.Tensor, q: torch.Tensor, group_rows: int, group_cols: int, mx: bool) -> bool:
-    """Whole-row scales over rows of at least ``_LONG_ROW`` elements, contiguous in and out (e.g. one
-    scale per expert weight of a [G, N * K] view): too few rows to spread over the SMs."""
+    """Whole-row scales over a few rows (at most ``_FEW_ROWS``, one grid axis of the cast) of at least
+    ``_LONG_ROW`` elements, contiguous in and out (e.g. one scale per expert weight of a [G, N * K]
+    view): too few rows to spread over the SMs."""
     rows, cols = x.shape
     return (
         not mx
         and group_rows == 1
         and group_cols == cols
         and cols >= _LONG_ROW
-        and rows > 0
+        and 0 < rows <= _FEW_ROWS
         and x.is_contiguous()
         and q.is_contiguous()
     )
