@@ -112,27 +112,21 @@ def _group_columns_kernel(
     lo = ((start + BLOCK_T - 1) // BLOCK_T) * BLOCK_T
     hi = (end // BLOCK_T) * BLOCK_T
     if end > start:
-        if lo > hi:
+        if start < lo:  # the partial first tile (the only one when the group lies inside a tile)
+            _cast_rows(
+                x_ptr, q_ptr, lo - BLOCK_T, start, end, cols, col_ok, multiplier, T, stride_x,
+                True, FP8_MAX, BLOCK_T, CAST_SATURATES,
+            )  # fmt: skip
+        for t0 in range(lo, hi, BLOCK_T):
+            _cast_rows(
+                x_ptr, q_ptr, t0, start, end, cols, col_ok, multiplier, T, stride_x,
+                False, FP8_MAX, BLOCK_T, CAST_SATURATES,
+            )  # fmt: skip
+        if (hi < end) & (hi >= lo):  # the partial last tile, unless the first one was it
             _cast_rows(
                 x_ptr, q_ptr, hi, start, end, cols, col_ok, multiplier, T, stride_x,
                 True, FP8_MAX, BLOCK_T, CAST_SATURATES,
             )  # fmt: skip
-        else:
-            if start < lo:
-                _cast_rows(
-                    x_ptr, q_ptr, lo - BLOCK_T, start, end, cols, col_ok, multiplier, T, stride_x,
-                    True, FP8_MAX, BLOCK_T, CAST_SATURATES,
-                )  # fmt: skip
-            for t0 in range(lo, hi, BLOCK_T):
-                _cast_rows(
-                    x_ptr, q_ptr, t0, start, end, cols, col_ok, multiplier, T, stride_x,
-                    False, FP8_MAX, BLOCK_T, CAST_SATURATES,
-                )  # fmt: skip
-            if hi < end:
-                _cast_rows(
-                    x_ptr, q_ptr, hi, start, end, cols, col_ok, multiplier, T, stride_x,
-                    True, FP8_MAX, BLOCK_T, CAST_SATURATES,
-                )  # fmt: skip
 
 
 @triton.jit

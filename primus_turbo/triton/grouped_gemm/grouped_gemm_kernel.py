@@ -268,33 +268,26 @@ def _grouped_variable_k_jit(
     lo = ((start + BLOCK_K - 1) // BLOCK_K) * BLOCK_K  # the first full block's start
     hi = (end // BLOCK_K) * BLOCK_K  # the last full block's end
     if end > start:
-        if lo > hi:  # the group lies inside one block
+        if start < lo:  # the partial first block (the only one when the group lies inside a block)
+            acc = _variable_k_block(
+                acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, lo - BLOCK_K, start, end, block_row,
+                ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
+                True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
+            )  # fmt: skip
+            block_row += 1
+        for k0 in range(lo, hi, BLOCK_K):
+            acc = _variable_k_block(
+                acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, k0, start, end, block_row,
+                ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
+                False, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
+            )  # fmt: skip
+            block_row += 1
+        if (hi < end) & (hi >= lo):  # the partial last block, unless the first one was it
             acc = _variable_k_block(
                 acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, hi, start, end, block_row,
                 ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
                 True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
             )  # fmt: skip
-        else:
-            if start < lo:
-                acc = _variable_k_block(
-                    acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, lo - BLOCK_K, start, end, block_row,
-                    ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
-                    True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
-                )  # fmt: skip
-                block_row += 1
-            for k0 in range(lo, hi, BLOCK_K):
-                acc = _variable_k_block(
-                    acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, k0, start, end, block_row,
-                    ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
-                    False, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
-                )  # fmt: skip
-                block_row += 1
-            if hi < end:
-                acc = _variable_k_block(
-                    acc, lhs_ptr, rhs_ptr, lhs_scale_ptr, rhs_scale_ptr, hi, start, end, block_row,
-                    ps, qs, p_ok, q_ok, stride_lt, stride_lp, stride_rt, stride_rq, stride_ls, stride_rs,
-                    True, SCALED, PER_BLOCK, DOT_PRECISION, BLOCK_K,
-                )  # fmt: skip
     if SCALED and not PER_BLOCK:
         if PER_COLUMN:
             sl = tl.load(lhs_scale_ptr + g * P + ps, mask=p_ok, other=0.0)
