@@ -3,6 +3,7 @@
 from primus_turbo.triton.grouped_gemm.group_quant_kernel import (
     quantize_fp8_group_blocks_triton,
     quantize_fp8_group_columns_triton,
+    token_major_empty,
 )
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     grouped_fp8_scale_block,
@@ -20,4 +21,5 @@ __all__ = [
     "grouped_gemm_variable_k_triton",
     "quantize_fp8_group_blocks_triton",
     "quantize_fp8_group_columns_triton",
+    "token_major_empty",
 ]

@@ -25,7 +25,11 @@ import triton.language as tl
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 
-__all__ = ["quantize_fp8_group_blocks_triton", "quantize_fp8_group_columns_triton"]
+__all__ = [
+    "quantize_fp8_group_blocks_triton",
+    "quantize_fp8_group_columns_triton",
+    "token_major_empty",
+]
 
 _BLOCK_C = 128
 _COLUMN_ROWS = 64  # rows per step of the column kernel's walk over a group
@@ -175,8 +179,8 @@ def _group_blocks_kernel(
         tl.store(scale_row, tl.full([BLOCK_C], 1.0, tl.float32), mask=col_ok)
 
 
-def _token_major(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """An empty FP8 [T, C] whose memory is [C, T]."""
+def token_major_empty(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """An empty FP8 [T, C] like ``x`` whose memory is [C, T]: the layout of both quantizations' q."""
     return torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device).t()
 
 
@@ -187,7 +191,7 @@ def quantize_fp8_group_columns_triton(
     (group, column) of the groups ``group_offs`` (int64 [G + 1], on the device) delimits."""
     tokens, cols = x.shape
     groups = group_offs.numel() - 1
-    q = _token_major(x, fp8_dtype)
+    q = token_major_empty(x, fp8_dtype)
     scale = torch.empty((groups, cols), dtype=torch.float32, device=x.device)
     if groups == 0 or cols == 0:
         return q, scale
@@ -223,7 +227,7 @@ def quantize_fp8_group_blocks_triton(
     rows past the last block hold 1."""
     tokens, cols = x.shape
     groups = group_offs.numel() - 1
-    q = _token_major(x, fp8_dtype)
+    q = token_major_empty(x, fp8_dtype)
     scale = torch.empty((scale_rows, cols), dtype=torch.float32, device=x.device)
     if cols == 0 or scale_rows == 0:
         return q, scale

@@ -52,6 +52,7 @@ from primus_turbo.triton.grouped_gemm import (
     grouped_gemm_fp8_variable_k_triton,
     quantize_fp8_group_blocks_triton,
     quantize_fp8_group_columns_triton,
+    token_major_empty,
 )
 from primus_turbo.triton.utils.device_info import triton_runs_on, triton_unavailable_reason
 from primus_turbo.triton.utils.transpose import transpose_triton
@@ -267,9 +268,15 @@ def grouped_gemm_fp8_variable_k_impl(
 ) -> torch.Tensor:
     """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows."""
     if lhs.device.type == "cuda":
-        base = group_block_base(group_offs, block_size) if block_size else None
-        return grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, base)
+        return _variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size, out_dtype)
     return _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size).to(out_dtype)
+
+
+def _variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size: int, out_dtype, out=None):
+    """The Triton variable-K kernel, given each group's first scale row under block scaling."""
+    base = group_block_base(group_offs, block_size) if block_size else None
+    operands = (lhs, lhs_scale, rhs, rhs_scale, group_offs)
+    return grouped_gemm_fp8_variable_k_triton(*operands, out_dtype, base, out)
 
 
 def _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size: int) -> torch.Tensor:
@@ -309,8 +316,7 @@ def grouped_gemm_fp8_variable_k_accum_impl(
     """``out[g] +=`` the variable-K product (fp32 ``main_grad``, the fused wgrad accumulation), inside the
     GEMM's epilogue on GPUs: no [G, P, Q] temporary and no separate add."""
     if lhs.device.type == "cuda" and out.stride(-1) == 1:
-        base = group_block_base(group_offs, block_size) if block_size else None
-        grouped_gemm_fp8_variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, out.dtype, base, out)
+        _variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size, out.dtype, out)
         return
     out.add_(_variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size))
 
@@ -363,10 +369,6 @@ def group_blocks_reference(
     return _quantize_row_groups(x, rows, count, fp8_dtype)
 
 
-def _token_major_empty(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device).t()
-
-
 @custom_op("primus_turbo::quantize_fp8_group_columns", mutates_args=())
 def quantize_fp8_group_columns_impl(
     x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype
@@ -382,7 +384,7 @@ def quantize_fp8_group_columns_impl(
 @quantize_fp8_group_columns_impl.register_fake
 def _quantize_fp8_group_columns_fake(x, group_offs, fp8_dtype):
     groups = group_offs.shape[0] - 1
-    return _token_major_empty(x, fp8_dtype), x.new_empty((groups, x.shape[1]), dtype=torch.float32)
+    return token_major_empty(x, fp8_dtype), x.new_empty((groups, x.shape[1]), dtype=torch.float32)
 
 
 @custom_op("primus_turbo::quantize_fp8_group_blocks", mutates_args=())
@@ -403,4 +405,4 @@ def quantize_fp8_group_blocks_impl(
 @quantize_fp8_group_blocks_impl.register_fake
 def _quantize_fp8_group_blocks_fake(x, group_offs, fp8_dtype, block_size):
     count = group_block_count(x.shape[0], group_offs.shape[0] - 1, block_size)
-    return _token_major_empty(x, fp8_dtype), x.new_empty((count, x.shape[1]), dtype=torch.float32)
+    return token_major_empty(x, fp8_dtype), x.new_empty((count, x.shape[1]), dtype=torch.float32)
