@@ -169,6 +169,26 @@ def test_megatron_fused_wgrad_accumulation():
     assert compute_snr(ref_b + 1, b.main_grad) >= 25
 
 
+def test_megatron_fused_accumulation_compiles_like_eager():
+    """The accumulating wgrad op under ``fullgraph=True``: the same gradients and main_grad as eager."""
+    lens = _group_lens("skewed", 4, 16)
+    a, b, _ = _operands(lens, 64, 48, True, torch.bfloat16)
+    config = Float8QuantConfig(granularity=G.ROWWISE)
+
+    def step(a, b):
+        out = grouped_gemm_fp8(a, b, lens, trans_b=True, config=config, fuse_bgrad_accum_pattern="megatron")
+        return out.float().square().sum()
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):
+        leaves = [a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
+        leaves[1].main_grad = torch.ones(b.shape, device=DEVICE)
+        fn(*leaves).backward()
+        results.append((leaves[0].grad, leaves[1].main_grad))
+    for compiled, eager in zip(*results, strict=True):
+        assert torch.equal(compiled, eager)
+
+
 def _assert_compiled_step_matches_eager(a, b, lens, config):
     """A ``fullgraph=True`` compiled forward + backward gives the eager gradients bit for bit."""
 
@@ -239,6 +259,8 @@ def test_bad_input_raises_clear_error():
         grouped_gemm_fp8(a, b, lens, config="fp8")
     with pytest.raises(ValueError, match="groups but b has"):
         grouped_gemm_fp8(a, b, lens[:-1])
+    with pytest.raises(ValueError, match="2-D or 3-D"):
+        impl.transpose_last_two_impl(torch.zeros(2, 3, 4, 5, device=DEVICE))
 
 
 def test_triton_block_kernels_match_the_reference():
