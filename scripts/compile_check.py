@@ -293,6 +293,19 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
     ]
+    from primus_turbo.triton.grouped_gemm import grouped_gemm_fp8_sm90 as grouped_sm90
+
+    scale_blocks = torch.empty(groups, n // 128, k // 128)
+    for label, a_scale, b_scale in (
+        ("blocks", (torch.empty(k // 128, tokens).t(), 1, tokens), (scale_blocks, *scale_blocks.stride())),
+        ("tensorwise", (torch.empty(()), 0, 0), (torch.empty(groups), 1, 0, 0)),
+    ):
+        attempt(
+            f"grouped fp8 sm90 (Gluon) {label}",
+            lambda a_scale=a_scale, b_scale=b_scale: grouped_sm90.grouped_gemm_fp8_sm90(
+                a8, a_scale, w8, b_scale, offs, torch.empty(tokens, n, dtype=bf16)
+            ),
+        )
     for mode, kernel, launch in launches:
         all_configs = kernel.configs
         for config in all_configs[:1] if args.quick else all_configs:

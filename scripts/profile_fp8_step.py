@@ -1,7 +1,8 @@
 """Kernel-time breakdown of one FP8 training step (quantize + forward + backward) per granularity.
 
 Prints torch.profiler's CUDA-time table (the kernel names tell vendor from Triton GEMMs) next to the
-bf16 step, so a slow step can be traced to its GEMMs or to its quantization kernels. ``--grouped
+bf16 step, so a slow step can be traced to its GEMMs or to its quantization kernels; ``--host`` adds the
+host time per Python function, for steps whose wall time exceeds their kernel time. ``--grouped
 GxTxNxK`` profiles ``grouped_gemm_fp8`` (G experts, T tokens each, [G, N, K] weights) instead of
 ``gemm_fp8``.
 """
@@ -9,6 +10,8 @@ GxTxNxK`` profiles ``grouped_gemm_fp8`` (G experts, T tokens each, [G, N, K] wei
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 from collections.abc import Callable
 
 import torch
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--grouped", default="", help="G x T x N x K: profile the grouped GEMM instead")
     p.add_argument("--granularities", default="tensorwise,rowwise,blockwise")
     p.add_argument("--rows", type=int, default=14, help="kernels shown per table")
+    p.add_argument("--host", action="store_true", help="also print cProfile's host-time table per step")
     args = p.parse_args()
     names = args.granularities.split(",")
     for name in names:
@@ -78,8 +82,27 @@ def main() -> None:
             torch.cuda.synchronize()
         events = prof.key_averages()
         total = sum(e.self_device_time_total for e in events) / 5 / 1e3
-        print(f"\n== {name} step, {shape}: {total:.3f} ms of kernel time per step")
+        launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) // 5
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            step()
+        end.record()
+        end.synchronize()
+        wall = start.elapsed_time(end) / 10
+        print(
+            f"\n== {name} step, {shape}: {total:.3f} ms of kernel time, {wall:.3f} ms wall, "
+            f"{launches} kernels per step"
+        )
         print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+        if args.host:
+            host = cProfile.Profile()
+            host.enable()
+            for _ in range(10):
+                step()
+            host.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(host).sort_stats("tottime").print_stats(args.rows)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ import triton.language as tl
 from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
+try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for the forward and dgrad
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
+        SCALE_BLOCK,
+        grouped_gemm_fp8_sm90,
+        grouped_sm90_usable,
+    )
+except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon API this file predates
+    grouped_gemm_fp8_sm90 = grouped_sm90_usable = None
+    SCALE_BLOCK = 128
+
 __all__ = [
     "grouped_fp8_scale_block",
     "grouped_gemm_fp8_triton",
@@ -455,6 +465,26 @@ def grouped_fp8_scale_block() -> int:
     return _fp8_configs()[0].kwargs["BLOCK_K"]
 
 
+def _sm90_product(a, a_scale, b, b_scale, group_offs, trans_b: bool, out, block_size: int) -> bool:
+    """Run the Hopper Gluon kernel where it takes the call (block scaling, or scales constant along K
+    and per expert: not per-column weight scales); False where it does not."""
+    weights = b if trans_b else b.transpose(1, 2)  # [G, N, K]
+    if grouped_gemm_fp8_sm90 is None or not grouped_sm90_usable(a, weights, out.dtype):
+        return False
+    out_axis, k_axis = (1, 2) if trans_b else (2, 1)
+    if block_size:
+        if block_size != SCALE_BLOCK:
+            return False
+        sa = (a_scale, *a_scale.stride())
+        sb = (b_scale, b_scale.stride(0), b_scale.stride(out_axis), b_scale.stride(k_axis))
+    elif b_scale.numel() == b.shape[0]:
+        sa = (a_scale, a_scale.stride(0) if a_scale.dim() else 0, 0)
+        sb = (b_scale, b_scale.stride(0), 0, 0)
+    else:
+        return False
+    return grouped_gemm_fp8_sm90(a, sa, weights, sb, group_offs, out)
+
+
 def grouped_gemm_fp8_triton(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -479,9 +509,11 @@ def grouped_gemm_fp8_triton(
         return out
     if k == 0 or groups == 0:
         return out.zero_()
-    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     out_axis, k_axis = (1, 2) if trans_b else (2, 1)
     a_scale, b_scale = a_scale.float(), b_scale.float()
+    if _sm90_product(a, a_scale, b, b_scale, group_offs, trans_b, out, block_size):
+        return out
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     stride_sbn = b_scale.stride(out_axis) if b_scale.shape[out_axis] > 1 else 0
     stride_sbk = b_scale.stride(k_axis) if block_size else 0
     stride_sam, stride_sak = a_scale.stride() if block_size else (0, 0)

@@ -1,0 +1,359 @@
+"""Grouped FP8 GEMM for Hopper in Gluon: the forward and dgrad of the MoE experts.
+
+``out[rows of g] = sum_kb (a[rows, kb] @ b[g][:, kb]^T) * sa[rows, kb] * sb[g, tile, kb]`` for ``a``
+[T, K] and the expert weights as [G, N, K], both K-contiguous FP8, with the group offsets read on the
+device. It is the block-scaled kernel of ``triton/gemm/gemm_fp8_block_sm90.py`` (a TMA producer warp, two
+consumer warpgroups that keep one wgmma in flight while they scale the previous K-block) under a
+grouped tile schedule:
+
+- one persistent program per SM walks the concatenated tile list of all groups: the tiles of group g
+  follow those of the groups before it, and tile ``i`` goes to program ``i % programs``, so skewed
+  routing spreads evenly and empty groups cost nothing; inside a group GROUP_M row tiles are walked
+  per column tile for L2 reuse;
+- ``a`` is one TMA descriptor over [T, K]: a tile that runs past its group's end loads the next
+  group's rows (or zeros past T), which only reach output rows it does not store;
+- the weights are one descriptor over [G * N, K]; a column tile past N reads the next expert's rows
+  into columns it does not store;
+- whole row tiles leave through shared memory and a TMA store; a group's partial last row tile is
+  stored through masked pointers, so it never writes the next group's rows.
+
+Scales per K-block and tile: block scaling (1 x 128 on ``a``, 128 x 128 on the weights) or any scale
+that is constant along K and across a tile's columns (one for ``a`` or one per row, one per expert),
+given as strides (0 where a scale does not vary).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
+    _GL_DTYPES,
+    SCALE_BLOCK,
+    BlockSm90Config,
+    _mma_layout,
+    _tile_mainloop,
+    _tma_load,
+    _tma_store,
+)
+from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
+from primus_turbo.triton.utils.device_info import num_sms
+
+__all__ = ["SCALE_BLOCK", "grouped_gemm_fp8_sm90", "grouped_sm90_usable"]
+
+LOG = logging.getLogger(__name__)
+_TILE = 128
+_failed: set[tuple] = set()
+
+
+@gluon.jit
+def _group_bounds(offs_ptr, g, tiles_before, num_pid_n, BLOCK_M: gl.constexpr):
+    """Group g's rows [start, end), its row tiles, its tile count and this program's first tile in it."""
+    start = gl.load(offs_ptr + g).to(gl.int32)
+    end = gl.load(offs_ptr + g + 1).to(gl.int32)
+    num_pid_m = gl.cdiv(end - start, BLOCK_M)
+    num_progs = gl.num_programs(0)
+    first = (gl.program_id(0) - tiles_before % num_progs + num_progs) % num_progs
+    return start, end, num_pid_m, num_pid_m * num_pid_n, first
+
+
+@gluon.jit
+def _grouped_consumer(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    offs_ptr,
+    sa_ptr,
+    sb_ptr,
+    a_bufs,
+    b_bufs,
+    c_smem,
+    ready,
+    empty,
+    G,
+    N,
+    K,
+    stride_cm,
+    stride_sam,
+    stride_sak,
+    stride_sbg,
+    stride_sbn,
+    stride_sbk,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    K_UNROLL: gl.constexpr,
+    PRO: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The default partition: wgmma, scaling and the epilogue of this program's tiles."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_progs = gl.num_programs(0)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = K // BLOCK_K
+    cons = gl.to_tensor(0)
+    # materialized before any wgmma (see the dense kernel's consumer)
+    p0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    p1 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    p0, p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p0, p1))
+    tiles_before = gl.to_tensor(0)
+    for g in range(G):
+        start, end, num_pid_m, group_tiles, first = _group_bounds(
+            offs_ptr, g, tiles_before, num_pid_n, BLOCK_M
+        )
+        for t in range(first, group_tiles, num_progs):
+            pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
+            row0 = start + pid_m * BLOCK_M
+            offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
+            m_mask = offs_m < end
+            sb_row = sb_ptr + g * stride_sbg + (pid_n * BLOCK_N // BLOCK_K) * stride_sbn
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+            acc, p0, p1, cons = _tile_mainloop(
+                acc,
+                p0,
+                p1,
+                cons,
+                k_tiles,
+                a_bufs,
+                b_bufs,
+                ready,
+                empty,
+                sa_ptr + offs_m * stride_sam,
+                m_mask,
+                sb_row,
+                stride_sak,
+                stride_sbk,
+                K_UNROLL,
+                PRO,
+                NUM_STAGES,
+            )
+            if row0 + BLOCK_M <= end:
+                tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+            else:
+                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
+                mask = gl.expand_dims(m_mask, 1) & gl.expand_dims(offs_n < N, 0)
+                gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
+        tiles_before += group_tiles
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _grouped_producer(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    offs_ptr,
+    G,
+    N,
+    K,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """The worker partition: TMA loads of every (tile, K-block) of this program into the stage ring."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    num_progs = gl.num_programs(0)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = K // BLOCK_K
+    prod = gl.to_tensor(0)
+    tiles_before = gl.to_tensor(0)
+    for g in range(G):
+        start, end, num_pid_m, group_tiles, first = _group_bounds(
+            offs_ptr, g, tiles_before, num_pid_n, BLOCK_M
+        )
+        for t in range(first, group_tiles, num_progs):
+            pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
+            row0 = start + pid_m * BLOCK_M
+            b_row = g * N + pid_n * BLOCK_N
+            for kb in range(k_tiles):
+                slot = prod % NUM_STAGES
+                # the consumers released the stage (passes at once on the first round)
+                mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [row0, kb * BLOCK_K], bar, a_bufs.index(slot))
+                _tma_load(b_desc, [b_row, kb * BLOCK_K], bar, b_bufs.index(slot))
+                prod += 1
+        tiles_before += group_tiles
+
+
+@gluon.jit
+def _grouped_gemm_fp8_sm90_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    offs_ptr,
+    sa_ptr,
+    sb_ptr,
+    G,
+    N,
+    K,
+    stride_cm,
+    stride_sam,
+    stride_sak,
+    stride_sbg,
+    stride_sbn,
+    stride_sbk,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    K_UNROLL: gl.constexpr,
+    PRO: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    gl.static_assert(BLOCK_K % BLOCK_N == 0, "a tile's columns lie in one weight block")
+    gl.static_assert(K_UNROLL % 2 == 0, "an iteration's products alternate p0 / p1 evenly")
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _grouped_consumer,
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    c_ptr,
+                    offs_ptr,
+                    sa_ptr,
+                    sb_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_smem,
+                    ready,
+                    empty,
+                    G,
+                    N,
+                    K,
+                    stride_cm,
+                    stride_sam,
+                    stride_sak,
+                    stride_sbg,
+                    stride_sbn,
+                    stride_sbk,
+                    GROUP_M,
+                    NUM_STAGES,
+                    K_UNROLL,
+                    PRO,
+                    num_warps,
+                ),
+            ),
+            (
+                _grouped_producer,
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, N, K, GROUP_M, NUM_STAGES),
+            ),
+        ],
+        [1],
+        [24],
+    )
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """A TMA-describable 2-D view: unit last stride, 16-byte aligned rows and base."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def grouped_sm90_usable(a: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this kernel takes the product of ``a`` [T, K] and ``weights`` [G, N, K]: an sm_90 CUDA
+    GPU, FP8 operands, K a multiple of 128, weights contiguous (one [G * N, K] descriptor), 16-byte
+    aligned rows, N a multiple of 8 (TMA-storable bf16 rows), and no earlier compile failure."""
+    if not a.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    k, n = a.shape[1], weights.shape[1]
+    if k == 0 or k % SCALE_BLOCK or n % 8 or a.dtype not in _GL_DTYPES or weights.dtype not in _GL_DTYPES:
+        return False
+    if out_dtype not in _GL_DTYPES or (a.dtype, weights.dtype, out_dtype) in _failed:
+        return False
+    return weights.is_contiguous() and _aligned(a) and weights.data_ptr() % 16 == 0
+
+
+def grouped_gemm_fp8_sm90(
+    a: torch.Tensor,
+    a_scale: tuple[torch.Tensor, int, int],
+    weights: torch.Tensor,
+    b_scale: tuple[torch.Tensor, int, int, int],
+    group_offs: torch.Tensor,
+    out: torch.Tensor,
+    config: BlockSm90Config | None = None,
+) -> bool:
+    """Write the grouped product of ``a`` [T, K] and ``weights`` [G, N, K] into ``out`` [T, N]; False
+    (nothing written) where this Triton's Gluon cannot compile the kernel. Scales come as (tensor,
+    strides): ``a_scale`` (sa, stride per row, stride per K-block) and ``b_scale`` (sb, stride per
+    expert, per 128-column block, per K-block), 0 where a scale does not vary. Check
+    ``grouped_sm90_usable`` first."""
+    config = config or BlockSm90Config()
+    tokens, k = a.shape
+    groups, n, _ = weights.shape
+    sa, stride_sam, stride_sak = a_scale
+    sb, stride_sbg, stride_sbn, stride_sbk = b_scale
+    k_tiles = k // SCALE_BLOCK
+
+    def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    try:
+        _grouped_gemm_fp8_sm90_kernel[(num_sms(a.device),)](
+            descriptor(a, [_TILE, SCALE_BLOCK]),
+            descriptor(weights.view(groups * n, k), [_TILE, SCALE_BLOCK]),
+            descriptor(out, [_TILE, _TILE]),
+            out,
+            group_offs,
+            sa,
+            sb,
+            groups,
+            n,
+            k,
+            out.stride(0),
+            stride_sam,
+            stride_sak,
+            stride_sbg,
+            stride_sbn,
+            stride_sbk,
+            GROUP_M=config.group_m,
+            NUM_STAGES=config.num_stages,
+            K_UNROLL=config.k_unroll,
+            PRO=1 + (k_tiles - 1) % config.k_unroll,
+            num_warps=8,
+        )
+    except triton.CompilationError as exc:
+        _failed.add((a.dtype, weights.dtype, out.dtype))
+        LOG.warning("Gluon grouped FP8 GEMM does not compile with triton %s: %s", triton.__version__, exc)
+        return False
+    return True
