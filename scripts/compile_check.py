@@ -299,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, a_scale, b_scale in (
         ("blocks", (torch.empty(k // 128, tokens).t(), 1, tokens), (scale_blocks, *scale_blocks.stride())),
         ("tensorwise", (torch.empty(()), 0, 0), (torch.empty(groups), 1, 0, 0)),
+        ("rowwise", (torch.empty(tokens, 1), 1, 0), (torch.empty(()), 0, 0, 0)),
     ):
+        columns = (torch.empty(groups, n), n, 1) if label == "rowwise" else None
         attempt(
             f"grouped fp8 sm90 (Gluon) {label}",
-            lambda a_scale=a_scale, b_scale=b_scale: grouped_sm90.grouped_gemm_fp8_sm90(
-                a8, a_scale, w8, b_scale, offs, torch.empty(tokens, n, dtype=bf16)
+            lambda a_scale=a_scale, b_scale=b_scale, columns=columns: grouped_sm90.grouped_gemm_fp8_sm90(
+                a8, a_scale, w8, b_scale, offs, torch.empty(tokens, n, dtype=bf16), columns
             ),
         )
     for mode, kernel, launch in launches:

@@ -1,6 +1,6 @@
 """The Hopper Gluon grouped FP8 kernel against the per-group dequantized product: skewed and empty
-groups, groups ending inside a row tile (masked stores) and inside a column tile, block scaling and
-per-expert scales, E5M2 activations (the HYBRID dgrad), both weight layouts through the launcher.
+groups, groups ending inside a row tile (masked stores) and inside a column tile, block scaling, per-expert
+and per-column weight scales, E5M2 activations (the HYBRID dgrad), both weight layouts through the launcher.
 Runs on sm_90 only."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _reference(a, sa_full, w, sb_full, offs):
     ids=str,
 )
 @pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("scaling", ["blocks", "tensorwise", "rowwise-a"])
+@pytest.mark.parametrize("scaling", ["blocks", "tensorwise", "rowwise-a", "rowwise"])
 def test_matches_dequantized_product(lens, n, k, a_dtype, scaling):
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
         grouped_gemm_fp8_sm90,
@@ -66,22 +66,25 @@ def test_matches_dequantized_product(lens, n, k, a_dtype, scaling):
         a_scale, b_scale = (sa, *sa.stride()), (sb, *sb.stride())
     else:
         sa = torch.rand(tokens, 1, device="cuda", generator=gen) + 0.5
-        sa = sa if scaling == "rowwise-a" else sa[:1, 0].reshape(())
-        sb = torch.rand(groups, 1, 1, device="cuda", generator=gen) + 0.5
+        sa = sa[:1, 0].reshape(()) if scaling == "tensorwise" else sa
+        sb = torch.rand(groups, n if scaling == "rowwise" else 1, 1, device="cuda", generator=gen) + 0.5
         sa_full, sb_full = sa, sb
         a_scale = (sa, sa.stride(0) if sa.dim() else 0, 0)
         b_scale = (sb, sb.stride(0), 0, 0)
+    columns = None
+    if scaling == "rowwise":
+        columns, b_scale = (sb, sb.stride(0), sb.stride(1)), (torch.ones((), device="cuda"), 0, 0, 0)
     out = torch.full((tokens, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     assert grouped_sm90_usable(a, w, out.dtype)
-    assert grouped_gemm_fp8_sm90(a, a_scale, w, b_scale, offs, out)
+    assert grouped_gemm_fp8_sm90(a, a_scale, w, b_scale, offs, out, columns)
     reference = _reference(a, sa_full, w, sb_full, offs)
     assert not out.isnan().any(), "rows left unwritten"
     assert compute_snr(reference, out) >= 40
 
 
 @pytest.mark.parametrize("trans_b", [True, False])
-@pytest.mark.parametrize("block", [0, 128])
-def test_launcher_takes_both_weight_layouts(trans_b, block):
+@pytest.mark.parametrize("scaling", ["blocks", "tensorwise", "rowwise"])
+def test_launcher_takes_both_weight_layouts(trans_b, scaling):
     """``grouped_gemm_fp8_triton`` routes to the Gluon kernel for [G, N, K] and N-major [G, K, N]
     weights alike and matches the plain-Triton kernel it replaces."""
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as kernel
@@ -92,12 +95,15 @@ def test_launcher_takes_both_weight_layouts(trans_b, block):
     a = torch.randn(sum(lens), k, device="cuda").to(torch.float8_e5m2)
     w = torch.randn(groups, n, k, device="cuda").to(torch.float8_e4m3fn)
     b = w if trans_b else w.transpose(1, 2)
+    block = 128 if scaling == "blocks" else 0
     if block:
         sa = torch.rand(sum(lens), k // block, device="cuda") + 0.5
         sb = torch.rand(groups, n // block, k // block, device="cuda") + 0.5
-        sb = sb if trans_b else sb.transpose(1, 2)
+    elif scaling == "rowwise":
+        sa, sb = torch.rand(sum(lens), 1, device="cuda") + 0.5, torch.rand(groups, n, 1, device="cuda") + 0.5
     else:
         sa, sb = torch.tensor(0.7, device="cuda"), torch.rand(groups, 1, 1, device="cuda") + 0.5
+    sb = sb if trans_b else sb.transpose(1, 2)
     out = kernel.grouped_gemm_fp8_triton(a, sa, b, sb, offs, trans_b, torch.bfloat16, block)
     gluon, kernel.grouped_gemm_fp8_sm90 = kernel.grouped_gemm_fp8_sm90, None
     try:

@@ -19,7 +19,8 @@ grouped tile schedule:
 
 Scales per K-block and tile: block scaling (1 x 128 on ``a``, 128 x 128 on the weights) or any scale
 that is constant along K and across a tile's columns (one for ``a`` or one per row, one per expert),
-given as strides (0 where a scale does not vary).
+given as strides (0 where a scale does not vary); per-column weight scales (the row-wise recipe)
+multiply the finished tile.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def _grouped_consumer(
     offs_ptr,
     sa_ptr,
     sb_ptr,
+    sc_ptr,
     a_bufs,
     b_bufs,
     c_smem,
@@ -91,6 +93,9 @@ def _grouped_consumer(
     stride_sbg,
     stride_sbn,
     stride_sbk,
+    stride_scg,
+    stride_scn,
+    COL_SCALE: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     K_UNROLL: gl.constexpr,
@@ -143,13 +148,16 @@ def _grouped_consumer(
                 PRO,
                 NUM_STAGES,
             )
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            if COL_SCALE:
+                sc = gl.load(sc_ptr + g * stride_scg + offs_n * stride_scn, mask=offs_n < N, other=0.0)
+                acc = acc * gl.expand_dims(sc, 0)
             if row0 + BLOCK_M <= end:
                 tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
                 c_smem.store(acc.to(c_desc.dtype))
                 fence_async_shared()
                 _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
             else:
-                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
                 ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
                 mask = gl.expand_dims(m_mask, 1) & gl.expand_dims(offs_n < N, 0)
                 gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
@@ -210,6 +218,7 @@ def _grouped_gemm_fp8_sm90_kernel(
     offs_ptr,
     sa_ptr,
     sb_ptr,
+    sc_ptr,
     G,
     N,
     K,
@@ -219,6 +228,9 @@ def _grouped_gemm_fp8_sm90_kernel(
     stride_sbg,
     stride_sbn,
     stride_sbk,
+    stride_scg,
+    stride_scn,
+    COL_SCALE: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     K_UNROLL: gl.constexpr,
@@ -250,6 +262,7 @@ def _grouped_gemm_fp8_sm90_kernel(
                     offs_ptr,
                     sa_ptr,
                     sb_ptr,
+                    sc_ptr,
                     a_bufs,
                     b_bufs,
                     c_smem,
@@ -264,6 +277,9 @@ def _grouped_gemm_fp8_sm90_kernel(
                     stride_sbg,
                     stride_sbn,
                     stride_sbk,
+                    stride_scg,
+                    stride_scn,
+                    COL_SCALE,
                     GROUP_M,
                     NUM_STAGES,
                     K_UNROLL,
@@ -310,18 +326,21 @@ def grouped_gemm_fp8_sm90(
     b_scale: tuple[torch.Tensor, int, int, int],
     group_offs: torch.Tensor,
     out: torch.Tensor,
+    col_scale: tuple[torch.Tensor, int, int] | None = None,
     config: BlockSm90Config | None = None,
 ) -> bool:
     """Write the grouped product of ``a`` [T, K] and ``weights`` [G, N, K] into ``out`` [T, N]; False
     (nothing written) where this Triton's Gluon cannot compile the kernel. Scales come as (tensor,
     strides): ``a_scale`` (sa, stride per row, stride per K-block) and ``b_scale`` (sb, stride per
-    expert, per 128-column block, per K-block), 0 where a scale does not vary. Check
+    expert, per 128-column block, per K-block), 0 where a scale does not vary; ``col_scale`` (sc, stride
+    per expert, per output column) multiplies the finished tile (row-wise weight scales). Check
     ``grouped_sm90_usable`` first."""
     config = config or BlockSm90Config()
     tokens, k = a.shape
     groups, n, _ = weights.shape
     sa, stride_sam, stride_sak = a_scale
     sb, stride_sbg, stride_sbn, stride_sbk = b_scale
+    sc, stride_scg, stride_scn = col_scale if col_scale is not None else (sb, 0, 0)
     k_tiles = k // SCALE_BLOCK
 
     def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -337,6 +356,7 @@ def grouped_gemm_fp8_sm90(
             group_offs,
             sa,
             sb,
+            sc,
             groups,
             n,
             k,
@@ -346,6 +366,9 @@ def grouped_gemm_fp8_sm90(
             stride_sbg,
             stride_sbn,
             stride_sbk,
+            stride_scg,
+            stride_scn,
+            COL_SCALE=col_scale is not None,
             GROUP_M=config.group_m,
             NUM_STAGES=config.num_stages,
             K_UNROLL=config.k_unroll,

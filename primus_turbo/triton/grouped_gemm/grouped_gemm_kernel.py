@@ -466,8 +466,9 @@ def grouped_fp8_scale_block() -> int:
 
 
 def _sm90_product(a, a_scale, b, b_scale, group_offs, trans_b: bool, out, block_size: int) -> bool:
-    """Run the Hopper Gluon kernel where it takes the call (block scaling, or scales constant along K
-    and per expert: not per-column weight scales); False where it does not."""
+    """Run the Hopper Gluon kernel where it takes the call (block scaling with 128-blocks, or scales
+    constant along K: one or one per row for ``a``, one per expert or per output column for ``b``);
+    False where it does not."""
     weights = b if trans_b else b.transpose(1, 2)  # [G, N, K]
     if grouped_gemm_fp8_sm90 is None or not grouped_sm90_usable(a, weights, out.dtype):
         return False
@@ -477,12 +478,13 @@ def _sm90_product(a, a_scale, b, b_scale, group_offs, trans_b: bool, out, block_
             return False
         sa = (a_scale, *a_scale.stride())
         sb = (b_scale, b_scale.stride(0), b_scale.stride(out_axis), b_scale.stride(k_axis))
-    elif b_scale.numel() == b.shape[0]:
-        sa = (a_scale, a_scale.stride(0) if a_scale.dim() else 0, 0)
-        sb = (b_scale, b_scale.stride(0), 0, 0)
-    else:
-        return False
-    return grouped_gemm_fp8_sm90(a, sa, weights, sb, group_offs, out)
+        return grouped_gemm_fp8_sm90(a, sa, weights, sb, group_offs, out)
+    sa = (a_scale, a_scale.stride(0) if a_scale.dim() else 0, 0)
+    if b_scale.numel() == b.shape[0]:
+        return grouped_gemm_fp8_sm90(a, sa, weights, (b_scale, b_scale.stride(0), 0, 0), group_offs, out)
+    columns = (b_scale, b_scale.stride(0), b_scale.stride(out_axis))
+    ones = (_unused_scale(a.device), 0, 0, 0)
+    return grouped_gemm_fp8_sm90(a, sa, weights, ones, group_offs, out, columns)
 
 
 def grouped_gemm_fp8_triton(
