@@ -7,6 +7,7 @@ from primus_turbo.triton.grouped_gemm.group_quant_kernel import (
 )
 from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
     grouped_fp8_scale_block,
+    grouped_fp8_sm90_takes,
     grouped_gemm_fp8_triton,
     grouped_gemm_fp8_variable_k_triton,
     grouped_gemm_triton,
@@ -15,6 +16,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_kernel import (
 
 __all__ = [
     "grouped_fp8_scale_block",
+    "grouped_fp8_sm90_takes",
     "grouped_gemm_fp8_triton",
     "grouped_gemm_fp8_variable_k_triton",
     "grouped_gemm_triton",

@@ -111,7 +111,7 @@ def _grouped_consumer(
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     num_progs = gl.num_programs(0)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = K // BLOCK_K
+    k_tiles = gl.cdiv(K, BLOCK_K)  # TMA zero-fills a partial last K-block
     cons = gl.to_tensor(0)
     # materialized before any wgmma (see the dense kernel's consumer)
     p0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
@@ -186,7 +186,7 @@ def _grouped_producer(
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     num_progs = gl.num_programs(0)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = K // BLOCK_K
+    k_tiles = gl.cdiv(K, BLOCK_K)  # TMA zero-fills a partial last K-block
     prod = gl.to_tensor(0)
     tiles_before = gl.to_tensor(0)
     for g in range(G):
@@ -307,12 +307,13 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def grouped_sm90_usable(a: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether this kernel takes the product of ``a`` [T, K] and ``weights`` [G, N, K]: an sm_90 CUDA
-    GPU, FP8 operands, K a multiple of 128, weights contiguous (one [G * N, K] descriptor), 16-byte
-    aligned rows, N a multiple of 8 (TMA-storable bf16 rows), and no earlier compile failure."""
+    GPU, FP8 operands, weights contiguous (one [G * N, K] descriptor), 16-byte aligned rows (K and N
+    multiples of 16), and no earlier compile failure. Block scaling also needs K to be a multiple of
+    128; other scalings take a partial last K-block."""
     if not a.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
     k, n = a.shape[1], weights.shape[1]
-    if k == 0 or k % SCALE_BLOCK or n % 8 or a.dtype not in _GL_DTYPES or weights.dtype not in _GL_DTYPES:
+    if k == 0 or k % 16 or n % 16 or a.dtype not in _GL_DTYPES or weights.dtype not in _GL_DTYPES:
         return False
     if out_dtype not in _GL_DTYPES or (a.dtype, weights.dtype, out_dtype) in _failed:
         return False
@@ -341,7 +342,7 @@ def grouped_gemm_fp8_sm90(
     sa, stride_sam, stride_sak = a_scale
     sb, stride_sbg, stride_sbn, stride_sbk = b_scale
     sc, stride_scg, stride_scn = col_scale if col_scale is not None else (sb, 0, 0)
-    k_tiles = k // SCALE_BLOCK
+    k_tiles = triton.cdiv(k, SCALE_BLOCK)
 
     def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
         layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])

@@ -8,6 +8,9 @@
   [T, P] and ``rhs`` [T, Q] (the weight gradient: the reduction runs over each group's tokens); one
   program per (group, output tile), so the grid is known without the group sizes.
 
+``grouped_gemm_fp8_triton`` runs the Hopper Gluon kernel of ``grouped_gemm_fp8_sm90`` where it takes the
+call (``grouped_fp8_sm90_takes``) and the plain-Triton kernel here elsewhere.
+
 Operands come as views of any strides. FP8 ones should have the reduction dimension contiguous
 (K-major weights, token-major wgrad operands): Hopper's FP8 MMA reads only that layout, and the others
 ran 4-8x slower on H200.
@@ -36,6 +39,7 @@ except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon
 
 __all__ = [
     "grouped_fp8_scale_block",
+    "grouped_fp8_sm90_takes",
     "grouped_gemm_fp8_triton",
     "grouped_gemm_fp8_variable_k_triton",
     "grouped_gemm_triton",
@@ -465,26 +469,37 @@ def grouped_fp8_scale_block() -> int:
     return _fp8_configs()[0].kwargs["BLOCK_K"]
 
 
-def _sm90_product(a, a_scale, b, b_scale, group_offs, trans_b: bool, out, block_size: int) -> bool:
-    """Run the Hopper Gluon kernel where it takes the call (block scaling with 128-blocks, or scales
-    constant along K: one or one per row for ``a``, one per expert or per output column for ``b``);
-    False where it does not."""
+def _sm90_scales(a, a_scale, b, b_scale, trans_b: bool, out_dtype: torch.dtype, block_size: int):
+    """The Hopper Gluon kernel's (weights, a scale, b scale, column scale) arguments where it takes the
+    call (block scaling with 128-blocks, or scales constant along K: one or one per row for ``a``, one
+    per expert or per output column for ``b``); None where it does not."""
     weights = b if trans_b else b.transpose(1, 2)  # [G, N, K]
-    if grouped_gemm_fp8_sm90 is None or not grouped_sm90_usable(a, weights, out.dtype):
-        return False
+    if grouped_gemm_fp8_sm90 is None or not grouped_sm90_usable(a, weights, out_dtype):
+        return None
     out_axis, k_axis = (1, 2) if trans_b else (2, 1)
     if block_size:
-        if block_size != SCALE_BLOCK:
-            return False
-        sa = (a_scale, *a_scale.stride())
+        if block_size != SCALE_BLOCK or a.shape[1] % SCALE_BLOCK:
+            return None
         sb = (b_scale, b_scale.stride(0), b_scale.stride(out_axis), b_scale.stride(k_axis))
-        return grouped_gemm_fp8_sm90(a, sa, weights, sb, group_offs, out)
+        return weights, (a_scale, *a_scale.stride()), sb, None
     sa = (a_scale, a_scale.stride(0) if a_scale.dim() else 0, 0)
     if b_scale.numel() == b.shape[0]:
-        return grouped_gemm_fp8_sm90(a, sa, weights, (b_scale, b_scale.stride(0), 0, 0), group_offs, out)
+        return weights, sa, (b_scale, b_scale.stride(0), 0, 0), None
     columns = (b_scale, b_scale.stride(0), b_scale.stride(out_axis))
-    ones = (_unused_scale(a.device), 0, 0, 0)
-    return grouped_gemm_fp8_sm90(a, sa, weights, ones, group_offs, out, columns)
+    return weights, sa, (_unused_scale(a.device), 0, 0, 0), columns
+
+
+def grouped_fp8_sm90_takes(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    trans_b: bool,
+    out_dtype: torch.dtype,
+    block_size: int = 0,
+) -> bool:
+    """Whether ``grouped_gemm_fp8_triton`` runs this call on the Hopper Gluon kernel."""
+    return _sm90_scales(a, a_scale, b, b_scale, trans_b, out_dtype, block_size) is not None
 
 
 def grouped_gemm_fp8_triton(
@@ -513,8 +528,11 @@ def grouped_gemm_fp8_triton(
         return out.zero_()
     out_axis, k_axis = (1, 2) if trans_b else (2, 1)
     a_scale, b_scale = a_scale.float(), b_scale.float()
-    if _sm90_product(a, a_scale, b, b_scale, group_offs, trans_b, out, block_size):
-        return out
+    sm90 = _sm90_scales(a, a_scale, b, b_scale, trans_b, out_dtype, block_size)
+    if sm90 is not None:
+        weights, sa, sb, columns = sm90
+        if grouped_gemm_fp8_sm90(a, sa, weights, sb, group_offs, out, columns):
+            return out
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     stride_sbn = b_scale.stride(out_axis) if b_scale.shape[out_axis] > 1 else 0
     stride_sbk = b_scale.stride(k_axis) if block_size else 0

@@ -36,12 +36,37 @@ def _reset_backends():
 @pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE], ids=lambda g: g.name.lower())
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name if b else "DEFAULT")
 def test_forward_dgrad_wgrad_snr(backend, granularity, kind, trans_b, fmt):
-    """DEFAULT: the selection out of the box (on GPUs torch._scaled_grouped_mm where it applies)."""
+    """DEFAULT: the selection out of the box (on Hopper the Gluon kernel; K 64 is one partial K-block,
+    N 48 a partial column tile)."""
     if backend is not None:
         GlobalBackendManager.set_grouped_gemm_backend(backend, PrecisionType.FP8)
     lens = _group_lens(kind, 4, 16)
     config = Float8QuantConfig(format=fmt, granularity=granularity)
     _check_against_reference(lens, 64, 48, trans_b, config)
+
+
+@pytest.mark.skipif(
+    DEVICE != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability() != (9, 0),
+    reason="the Hopper default selection",
+)
+def test_default_selection_on_hopper():
+    """TRITON (its Gluon kernel) for one contiguous [G, N, K] weight copy, torch._scaled_grouped_mm for
+    K-major weights the Gluon kernel cannot describe as one [G * N, K] tensor."""
+    e4m3 = torch.float8_e4m3fn
+    wide = torch.randn(2, 128, 512, device="cuda").to(e4m3)
+    kwargs = dict(
+        a=torch.randn(256, 256, device="cuda").to(e4m3),
+        a_scale=torch.ones(256, 1, device="cuda"),
+        b=wide[:, :, :256].contiguous(),
+        b_scale=torch.ones(2, 1, 1, device="cuda"),
+        group_offs=torch.tensor([0, 100, 256], device="cuda"),
+        trans_b=True,
+        out_dtype=torch.bfloat16,
+        block_size=0,
+    )
+    assert impl.GroupedGemmFp8Dispatcher.default_backend(**kwargs) is BackendType.TRITON
+    kwargs["b"] = wide[:, :, :256]
+    assert impl.GroupedGemmFp8Dispatcher.default_backend(**kwargs) is BackendType.HIPBLASLT
 
 
 def _check_against_reference(lens, k, n, trans_b, config):
