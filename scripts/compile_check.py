@@ -308,6 +308,25 @@ def main(argv: list[str] | None = None) -> int:
                 a8, a_scale, w8, b_scale, offs, torch.empty(tokens, n, dtype=bf16), columns
             ),
         )
+    token_major = torch.empty(n, tokens, dtype=e5m2).t()
+    for label, scales, out_dtype, accumulate in (
+        ("tensorwise", (torch.empty(()), torch.empty(())), bf16, False),
+        ("rowwise, accumulating", (torch.empty(groups, k), torch.empty(groups, n)), f32, True),
+    ):
+        attempt(
+            f"grouped fp8 variable-K sm90 (Gluon) {label}",
+            lambda scales=scales, out_dtype=out_dtype, accumulate=accumulate: (
+                grouped_sm90.grouped_gemm_fp8_variable_k_sm90(
+                    torch.empty(k, tokens, dtype=e4m3).t(),
+                    scales[0],
+                    token_major,
+                    scales[1],
+                    offs,
+                    torch.empty(groups, k, n, dtype=out_dtype),
+                    accumulate,
+                )
+            ),
+        )
     for mode, kernel, launch in launches:
         all_configs = kernel.configs
         for config in all_configs[:1] if args.quick else all_configs:

@@ -111,3 +111,61 @@ def test_launcher_takes_both_weight_layouts(trans_b, scaling):
     finally:
         kernel.grouped_gemm_fp8_sm90 = gluon
     assert compute_snr(plain.float(), out) >= 40
+
+
+@pytest.mark.parametrize(
+    "lens,p,q",
+    [
+        ([128, 256], 128, 128),
+        ([0, 300, 1, 0, 77, 530], 256, 384),
+        ([1000, 24, 0, 8], 200, 328),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+def test_variable_k_matches_dequantized_product(lens, p, q, scaling, accumulate):
+    """Groups that start and end inside a token block (the masked partial blocks), empty groups and
+    tiles past P and Q; token-major operands as the group quantizers store them."""
+    from primus_turbo.triton.grouped_gemm.group_quant_kernel import token_major_empty
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
+        grouped_gemm_fp8_variable_k_sm90,
+        grouped_variable_k_sm90_usable,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(lens) + p + q)
+    tokens, groups = sum(lens), len(lens)
+    offs = _offsets(lens)
+    lhs_full = torch.randn(tokens, p, device="cuda", generator=gen)
+    rhs_full = torch.randn(tokens, q, device="cuda", generator=gen)
+    lhs = token_major_empty(lhs_full, torch.float8_e4m3fn).copy_(lhs_full)
+    rhs = token_major_empty(rhs_full, torch.float8_e5m2).copy_(rhs_full)
+    if scaling == "rowwise":
+        sl = torch.rand(groups, p, device="cuda", generator=gen) + 0.5
+        sr = torch.rand(groups, q, device="cuda", generator=gen) + 0.5
+    else:
+        sl, sr = torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
+    start = torch.randn(groups, p, q, device="cuda", generator=gen)
+    out = start.clone() if accumulate else torch.full_like(start, float("nan")).bfloat16()
+    assert grouped_variable_k_sm90_usable(lhs, rhs, out)
+    assert grouped_gemm_fp8_variable_k_sm90(lhs, sl, rhs, sr, offs, out, accumulate)
+    bounds = offs.tolist()
+    for g in range(groups):
+        rows = slice(bounds[g], bounds[g + 1])
+        scale_l = sl[g][:, None] if sl.dim() else sl
+        scale_r = sr[g][None, :] if sr.dim() else sr
+        expected = lhs[rows].float().t() @ rhs[rows].float() * scale_l * scale_r
+        expected = expected + start[g] if accumulate else expected
+        if lens[g] == 0:
+            assert torch.equal(out[g].float(), expected), "an empty group gives zeros (or leaves out)"
+        else:
+            assert compute_snr(expected, out[g]) >= 40, g
+
+
+def test_variable_k_declines_unaligned_token_rows():
+    """Token-major operands whose rows are not 16-byte aligned go to the plain-Triton kernel."""
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_variable_k_sm90_usable
+
+    lhs = torch.empty(64, 100, device="cuda", dtype=torch.float8_e4m3fn).t()
+    rhs = torch.empty(64, 100, device="cuda", dtype=torch.float8_e4m3fn).t()
+    assert not grouped_variable_k_sm90_usable(lhs, rhs, torch.empty(2, 64, 64, device="cuda"))

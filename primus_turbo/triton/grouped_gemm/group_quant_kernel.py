@@ -2,8 +2,9 @@
 
 The variable-K (wgrad) GEMM reduces over each group's tokens, and Hopper's FP8 tensor cores read both
 operands with the reduction dimension contiguous, so the quantized copy of ``x`` [T, C] is stored as
-[C, T] (returned as its [T, C] transposed view). Scales follow ``quantize_fp8``'s rules
-(``_group_scale``): zeros give 1, a group holding NaN or inf gets a NaN scale, casts saturate.
+[C, T] (returned as its [T, C] transposed view; rows padded to 16 bytes). Scales follow
+``quantize_fp8``'s rules (``_group_scale``): zeros give 1, a group holding NaN or inf gets a NaN
+scale, casts saturate.
 
 - ``quantize_fp8_group_columns_triton``: one scale per (group, column) over the group's tokens (the
   row-wise recipe). One program per (group, column block) reads the group's rows twice: amax, then cast.
@@ -45,15 +46,17 @@ def _tile_amax(x, mask):
 
 
 @triton.jit
-def _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, PARTIAL: tl.constexpr):
-    """Store the [rows, cols] tile ``q`` into the [C, T] memory of a token-major copy. Only a PARTIAL
+def _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, PARTIAL: tl.constexpr):
+    """Store the [rows, cols] tile ``q`` into the [C, T] memory (row stride ``stride_q``) of a token-major
+    copy. Only a PARTIAL
     tile masks rows outside [start, end): a mask varying along the contiguous dimension would break the
     stores into single bytes."""
     if PARTIAL:
         mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
     else:
         mask = col_ok[None, :]
-    tl.store(q_ptr + cols[None, :].to(tl.int64) * T + rows[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
+    ptrs = q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None]
+    tl.store(ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -66,7 +69,7 @@ def _cast_rows(
     cols,
     col_ok,
     multiplier,
-    T,
+    stride_q,
     stride_x,
     PARTIAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -78,7 +81,7 @@ def _cast_rows(
     mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
-    _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, PARTIAL)
+    _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, PARTIAL)
 
 
 @triton.jit
@@ -87,7 +90,7 @@ def _group_columns_kernel(
     q_ptr,
     scale_ptr,
     offs_ptr,
-    T,
+    stride_q,
     C,
     stride_x,
     FP8_MAX: tl.constexpr,
@@ -118,17 +121,17 @@ def _group_columns_kernel(
     if end > start:
         if start < lo:  # the partial first tile (the only one when the group lies inside a tile)
             _cast_rows(
-                x_ptr, q_ptr, lo - BLOCK_T, start, end, cols, col_ok, multiplier, T, stride_x,
+                x_ptr, q_ptr, lo - BLOCK_T, start, end, cols, col_ok, multiplier, stride_q, stride_x,
                 True, FP8_MAX, BLOCK_T, CAST_SATURATES,
             )  # fmt: skip
         for t0 in range(lo, hi, BLOCK_T):
             _cast_rows(
-                x_ptr, q_ptr, t0, start, end, cols, col_ok, multiplier, T, stride_x,
+                x_ptr, q_ptr, t0, start, end, cols, col_ok, multiplier, stride_q, stride_x,
                 False, FP8_MAX, BLOCK_T, CAST_SATURATES,
             )  # fmt: skip
         if (hi < end) & (hi >= lo):  # the partial last tile, unless the first one was it
             _cast_rows(
-                x_ptr, q_ptr, hi, start, end, cols, col_ok, multiplier, T, stride_x,
+                x_ptr, q_ptr, hi, start, end, cols, col_ok, multiplier, stride_q, stride_x,
                 True, FP8_MAX, BLOCK_T, CAST_SATURATES,
             )  # fmt: skip
 
@@ -141,7 +144,7 @@ def _group_blocks_kernel(
     offs_ptr,
     block_ends_ptr,
     G,
-    T,
+    stride_q,
     C,
     stride_x,
     FP8_MAX: tl.constexpr,
@@ -172,16 +175,19 @@ def _group_blocks_kernel(
         tl.store(scale_row, stored, mask=col_ok)
         q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
         if (lo >= start) & (lo + BLOCK <= end):
-            _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, False)
+            _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, False)
         else:
-            _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, T, True)
+            _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, True)
     else:
         tl.store(scale_row, tl.full([BLOCK_C], 1.0, tl.float32), mask=col_ok)
 
 
 def token_major_empty(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """An empty FP8 [T, C] like ``x`` whose memory is [C, T]: the layout of both quantizations' q."""
-    return torch.empty((x.shape[1], x.shape[0]), dtype=fp8_dtype, device=x.device).t()
+    """An empty FP8 [T, C] like ``x`` whose memory is [C, T] with rows padded to 16 bytes (TMA
+    describes only 16-byte aligned rows): the layout of both quantizations' q."""
+    tokens, cols = x.shape
+    padded = -(-tokens // 16) * 16
+    return torch.empty((cols, padded), dtype=fp8_dtype, device=x.device)[:, :tokens].t()
 
 
 def quantize_fp8_group_columns_triton(
@@ -200,7 +206,7 @@ def quantize_fp8_group_columns_triton(
         q,
         scale,
         group_offs,
-        tokens,
+        q.stride(1),
         cols,
         x.stride(0),
         FP8_MAX=torch.finfo(fp8_dtype).max,
@@ -238,7 +244,7 @@ def quantize_fp8_group_blocks_triton(
         group_offs,
         block_ends,
         groups,
-        tokens,
+        q.stride(1),
         cols,
         x.stride(0),
         FP8_MAX=torch.finfo(fp8_dtype).max,

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
+    warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -43,6 +44,7 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     _GL_DTYPES,
     SCALE_BLOCK,
     BlockSm90Config,
+    _cta_barrier,
     _mma_layout,
     _tile_mainloop,
     _tma_load,
@@ -51,7 +53,13 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import num_sms
 
-__all__ = ["SCALE_BLOCK", "grouped_gemm_fp8_sm90", "grouped_sm90_usable"]
+__all__ = [
+    "SCALE_BLOCK",
+    "grouped_gemm_fp8_sm90",
+    "grouped_gemm_fp8_variable_k_sm90",
+    "grouped_sm90_usable",
+    "grouped_variable_k_sm90_usable",
+]
 
 LOG = logging.getLogger(__name__)
 _TILE = 128
@@ -379,5 +387,284 @@ def grouped_gemm_fp8_sm90(
     except triton.CompilationError as exc:
         _failed.add((a.dtype, weights.dtype, out.dtype))
         LOG.warning("Gluon grouped FP8 GEMM does not compile with triton %s: %s", triton.__version__, exc)
+        return False
+    return True
+
+
+@gluon.jit
+def _mask_tokens(tile, t0, start, end, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):
+    """Zero the tokens outside [start, end) of a [rows, BLOCK_K] token-major stage tile: a group's
+    partial first or last block, which TMA loaded together with its neighbours' tokens."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    tokens = t0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    keep = gl.expand_dims((tokens >= start) & (tokens < end), 0)
+    x = tile.load(layout)
+    bits = x.to(gl.int8, bitcast=True)
+    tile.store(gl.where(keep, bits, gl.zeros_like(bits)).to(x.dtype, bitcast=True))
+
+
+@gluon.jit
+def _variable_k_tile(tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M: gl.constexpr):
+    """Tile ``tile``'s group, output tile coordinates, first aligned token block and block count."""
+    g = tile // tiles_per_group
+    pid_m, pid_n = _tile_coords(tile % tiles_per_group, num_pid_m, num_pid_n, GROUP_M)
+    start = gl.load(offs_ptr + g).to(gl.int32)
+    end = gl.load(offs_ptr + g + 1).to(gl.int32)
+    first = (start // BLOCK_K) * BLOCK_K
+    blocks = gl.where(end > start, (end - first + BLOCK_K - 1) // BLOCK_K, 0)
+    return g, pid_m, pid_n, start, end, first, blocks
+
+
+@gluon.jit
+def _variable_k_consumer(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    offs_ptr,
+    sl_ptr,
+    sr_ptr,
+    a_bufs,
+    b_bufs,
+    c_smem,
+    ready,
+    empty,
+    G,
+    P,
+    Q,
+    PER_COLUMN: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The default partition: wgmma over each tile's token blocks (one left in flight), the scales and
+    the epilogue."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_pid_m = gl.cdiv(P, BLOCK_M)
+    num_pid_n = gl.cdiv(Q, BLOCK_N)
+    tiles_per_group = num_pid_m * num_pid_n
+    cons = gl.to_tensor(0)
+    for tile in range(gl.program_id(0), G * tiles_per_group, gl.num_programs(0)):
+        g, pid_m, pid_n, start, end, first, blocks = _variable_k_tile(
+            tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
+        )
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        for i in range(blocks):
+            t0 = first + i * BLOCK_K
+            slot = cons % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (cons // NUM_STAGES) & 1)
+            if (t0 < start) | (t0 + BLOCK_K > end):
+                _mask_tokens(a_bufs.index(slot), t0, start, end, BLOCK_K, num_warps)
+                _mask_tokens(b_bufs.index(slot), t0, start, end, BLOCK_K, num_warps)
+                fence_async_shared()
+                _cta_barrier()
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous block's wgmma has retired in both warpgroups: its stage goes back
+            _cta_barrier()
+            mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
+            cons += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=blocks > 0)
+        offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        offs_q = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        p_ok = offs_p < P
+        q_ok = offs_q < Q
+        if PER_COLUMN:
+            sl = gl.load(sl_ptr + g * P + offs_p, mask=p_ok, other=0.0)
+            sr = gl.load(sr_ptr + g * Q + offs_q, mask=q_ok, other=0.0)
+            acc = acc * gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0)
+        else:
+            acc = acc * (gl.load(sl_ptr) * gl.load(sr_ptr))
+        row0 = g * P + pid_m * BLOCK_M
+        if ACCUMULATE or (pid_m * BLOCK_M + BLOCK_M > P):
+            rows = (g * P + offs_p).to(gl.int64) * Q
+            ptrs = c_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(offs_q, 0)
+            mask = gl.expand_dims(p_ok, 1) & gl.expand_dims(q_ok, 0)
+            if ACCUMULATE:
+                acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+            gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
+        else:
+            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _variable_k_producer(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    offs_ptr,
+    G,
+    P,
+    Q,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """The worker partition: TMA loads of every (tile, token block) of this program."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    num_pid_m = gl.cdiv(P, BLOCK_M)
+    num_pid_n = gl.cdiv(Q, BLOCK_N)
+    tiles_per_group = num_pid_m * num_pid_n
+    prod = gl.to_tensor(0)
+    for tile in range(gl.program_id(0), G * tiles_per_group, gl.num_programs(0)):
+        g, pid_m, pid_n, start, end, first, blocks = _variable_k_tile(
+            tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
+        )
+        for i in range(blocks):
+            slot = prod % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [pid_m * BLOCK_M, first + i * BLOCK_K], bar, a_bufs.index(slot))
+            _tma_load(b_desc, [pid_n * BLOCK_N, first + i * BLOCK_K], bar, b_bufs.index(slot))
+            prod += 1
+
+
+@gluon.jit
+def _grouped_variable_k_sm90_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    offs_ptr,
+    sl_ptr,
+    sr_ptr,
+    G,
+    P,
+    Q,
+    PER_COLUMN: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (
+                _variable_k_consumer,
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    c_ptr,
+                    offs_ptr,
+                    sl_ptr,
+                    sr_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_smem,
+                    ready,
+                    empty,
+                    G,
+                    P,
+                    Q,
+                    PER_COLUMN,
+                    ACCUMULATE,
+                    GROUP_M,
+                    NUM_STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _variable_k_producer,
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES),
+            ),
+        ],
+        [1],
+        [24],
+    )
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def grouped_variable_k_sm90_usable(lhs: torch.Tensor, rhs: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the variable-K kernel takes ``lhs`` [T, P] and ``rhs`` [T, Q] (token-major FP8 views:
+    their transposes TMA-describable) into ``out`` [G, P, Q] (contiguous)."""
+    if (
+        not lhs.is_cuda
+        or torch.version.hip is not None
+        or torch.cuda.get_device_capability(lhs.device) != (9, 0)
+    ):
+        return False
+    if lhs.dtype not in _GL_DTYPES or rhs.dtype not in _GL_DTYPES or out.dtype not in _GL_DTYPES:
+        return False
+    if (lhs.dtype, rhs.dtype, out.dtype, "variable-k") in _failed:
+        return False
+    row_bytes = out.shape[2] * out.element_size()
+    return _aligned(lhs.t()) and _aligned(rhs.t()) and out.is_contiguous() and row_bytes % 16 == 0
+
+
+def grouped_gemm_fp8_variable_k_sm90(
+    lhs: torch.Tensor,
+    lhs_scale: torch.Tensor,
+    rhs: torch.Tensor,
+    rhs_scale: torch.Tensor,
+    group_offs: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    config: BlockSm90Config | None = None,
+) -> bool:
+    """``out[g] (+)= (lhs[rows of g] * sl)^T (rhs[rows of g] * sr)`` with 0-d scales or one per (group,
+    column) ([G, P] / [G, Q], contiguous): the tensorwise and row-wise wgrad. False (nothing written)
+    where this Triton's Gluon cannot compile the kernel. Check ``grouped_variable_k_sm90_usable`` first."""
+    config = config or BlockSm90Config()
+    groups, p, q = out.shape
+
+    def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    tiles = groups * triton.cdiv(p, _TILE) * triton.cdiv(q, _TILE)
+    try:
+        _grouped_variable_k_sm90_kernel[(min(tiles, num_sms(lhs.device)),)](
+            descriptor(lhs.t(), [_TILE, _TILE]),
+            descriptor(rhs.t(), [_TILE, _TILE]),
+            descriptor(out.view(groups * p, q), [_TILE, _TILE]),
+            out,
+            group_offs,
+            lhs_scale,
+            rhs_scale,
+            groups,
+            p,
+            q,
+            PER_COLUMN=lhs_scale.dim() > 0,
+            ACCUMULATE=accumulate,
+            GROUP_M=config.group_m,
+            NUM_STAGES=config.num_stages,
+            num_warps=8,
+        )
+    except triton.CompilationError as exc:
+        _failed.add((lhs.dtype, rhs.dtype, out.dtype, "variable-k"))
+        LOG.warning(
+            "Gluon grouped variable-K FP8 GEMM does not compile with triton %s: %s", triton.__version__, exc
+        )
         return False
     return True

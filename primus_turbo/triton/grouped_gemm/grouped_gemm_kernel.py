@@ -8,8 +8,9 @@
   [T, P] and ``rhs`` [T, Q] (the weight gradient: the reduction runs over each group's tokens); one
   program per (group, output tile), so the grid is known without the group sizes.
 
-``grouped_gemm_fp8_triton`` runs the Hopper Gluon kernel of ``grouped_gemm_fp8_sm90`` where it takes the
-call (``grouped_fp8_sm90_takes``) and the plain-Triton kernel here elsewhere.
+``grouped_gemm_fp8_triton`` and, for scales constant along the tokens, ``grouped_gemm_fp8_variable_k_triton``
+run the Hopper Gluon kernels of ``grouped_gemm_fp8_sm90`` where they take the call, and the plain-Triton
+kernels here elsewhere.
 
 Operands come as views of any strides. FP8 ones should have the reduction dimension contiguous
 (K-major weights, token-major wgrad operands): Hopper's FP8 MMA reads only that layout, and the others
@@ -31,10 +32,13 @@ try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for the forward and dgr
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
         SCALE_BLOCK,
         grouped_gemm_fp8_sm90,
+        grouped_gemm_fp8_variable_k_sm90,
         grouped_sm90_usable,
+        grouped_variable_k_sm90_usable,
     )
 except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon API this file predates
     grouped_gemm_fp8_sm90 = grouped_sm90_usable = None
+    grouped_gemm_fp8_variable_k_sm90 = grouped_variable_k_sm90_usable = None
     SCALE_BLOCK = 128
 
 __all__ = [
@@ -602,6 +606,13 @@ def grouped_gemm_fp8_variable_k_triton(
 
     lhs_scale, rhs_scale = lhs_scale.float().contiguous(), rhs_scale.float().contiguous()
     per_block = block_base is not None
+    if (
+        not per_block
+        and grouped_gemm_fp8_variable_k_sm90 is not None
+        and grouped_variable_k_sm90_usable(lhs, rhs, out)
+        and grouped_gemm_fp8_variable_k_sm90(lhs, lhs_scale, rhs, rhs_scale, group_offs, out, accumulate)
+    ):
+        return out
     _launch(
         _grouped_gemm_fp8_variable_k_kernel,
         grid,

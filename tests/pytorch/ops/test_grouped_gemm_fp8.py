@@ -138,7 +138,8 @@ def test_group_column_quantization_scales_each_group_on_its_own():
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one-group"])
 def test_group_quantization_kernels_match_the_reference(kind, fp8_dtype):
     """Both wgrad-operand quantizations equal their torch references bit for bit (NaN, inf, zero
-    columns, empty groups, blocks cut short by a group's end) and store their output token-major."""
+    columns, empty groups, blocks cut short by a group's end) and store their output token-major, rows
+    padded to 16 bytes for TMA."""
     lens = _group_lens(kind, 4, BLOCK // 2 + 3)
     offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     tokens = int(lens.sum())
@@ -155,7 +156,7 @@ def test_group_quantization_kernels_match_the_reference(kind, fp8_dtype):
     for op, reference, args in cases:
         q, scale = op(*args)
         q_ref, scale_ref = reference(*args)
-        assert q.shape == x.shape and q.stride() == (1, tokens)
+        assert q.shape == x.shape and q.stride() == (1, -(-tokens // 16) * 16)  # rows padded to 16 bytes
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
 

@@ -359,7 +359,7 @@ def _quantize_row_groups(
     multiplier, scale_inv = tensorwise_multipliers(amax, fp8_dtype)
     fp8_max = torch.finfo(fp8_dtype).max
     q = (x.float() * multiplier[rows]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return q.t().contiguous().t(), scale_inv
+    return token_major_empty(x, fp8_dtype).copy_(q), scale_inv
 
 
 def group_columns_reference(
