@@ -315,15 +315,17 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def grouped_sm90_usable(a: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether this kernel takes the product of ``a`` [T, K] and ``weights`` [G, N, K]: an sm_90 CUDA
-    GPU, FP8 operands, weights contiguous (one [G * N, K] descriptor), 16-byte aligned rows (K and N
-    multiples of 16), and no earlier compile failure. Block scaling also needs K to be a multiple of
-    128; other scalings take a partial last K-block."""
+    GPU, FP8 operands, weights contiguous (one [G * N, K] descriptor), 16-byte aligned rows of ``a``,
+    the weights and the output (K a multiple of 16, N of 8 for bf16), and no earlier compile failure.
+    Block scaling also needs K to be a multiple of 128; other scalings take a partial last K-block."""
     if not a.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
     k, n = a.shape[1], weights.shape[1]
-    if k == 0 or k % 16 or n % 16 or a.dtype not in _GL_DTYPES or weights.dtype not in _GL_DTYPES:
+    if k == 0 or k % 16 or a.dtype not in _GL_DTYPES or weights.dtype not in _GL_DTYPES:
         return False
-    if out_dtype not in _GL_DTYPES or (a.dtype, weights.dtype, out_dtype) in _failed:
+    if out_dtype not in _GL_DTYPES or (n * torch.finfo(out_dtype).bits // 8) % 16:
+        return False
+    if (a.dtype, weights.dtype, out_dtype) in _failed:
         return False
     return weights.is_contiguous() and _aligned(a) and weights.data_ptr() % 16 == 0
 
