@@ -312,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, scales, out_dtype, accumulate in (
         ("tensorwise", (torch.empty(()), torch.empty(())), bf16, False),
         ("rowwise, accumulating", (torch.empty(groups, k), torch.empty(groups, n)), f32, True),
+        ("blocks", (torch.empty(block_rows, k), torch.empty(block_rows, n)), bf16, False),
     ):
         attempt(
             f"grouped fp8 variable-K sm90 (Gluon) {label}",
-            lambda scales=scales, out_dtype=out_dtype, accumulate=accumulate: (
+            lambda label=label, scales=scales, out_dtype=out_dtype, accumulate=accumulate: (
                 grouped_sm90.grouped_gemm_fp8_variable_k_sm90(
                     torch.empty(k, tokens, dtype=e4m3).t(),
                     scales[0],
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                     offs,
                     torch.empty(groups, k, n, dtype=out_dtype),
                     accumulate,
+                    torch.empty(groups, dtype=torch.int64) if label == "blocks" else None,
                 )
             ),
         )

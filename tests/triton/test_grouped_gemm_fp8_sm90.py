@@ -122,11 +122,16 @@ def test_launcher_takes_both_weight_layouts(trans_b, scaling):
     ],
     ids=str,
 )
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blocks"])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
 def test_variable_k_matches_dequantized_product(lens, p, q, scaling, accumulate):
     """Groups that start and end inside a token block (the masked partial blocks), empty groups and
-    tiles past P and Q; token-major operands as the group quantizers store them."""
+    tiles past P and Q; token-major operands as the group quantizers store them; scales constant along
+    the tokens or one row per aligned 128-token block of a group."""
+    from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
+        group_block_count,
+        group_block_rows,
+    )
     from primus_turbo.triton.grouped_gemm.group_quant_kernel import token_major_empty
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
         grouped_gemm_fp8_variable_k_sm90,
@@ -140,7 +145,13 @@ def test_variable_k_matches_dequantized_product(lens, p, q, scaling, accumulate)
     rhs_full = torch.randn(tokens, q, device="cuda", generator=gen)
     lhs = token_major_empty(lhs_full, torch.float8_e4m3fn).copy_(lhs_full)
     rhs = token_major_empty(rhs_full, torch.float8_e5m2).copy_(rhs_full)
-    if scaling == "rowwise":
+    base, rows_of = None, None
+    if scaling == "blocks":
+        scale_rows = group_block_count(tokens, groups, 128)
+        sl = torch.rand(scale_rows, p, device="cuda", generator=gen) + 0.5
+        sr = torch.rand(scale_rows, q, device="cuda", generator=gen) + 0.5
+        rows_of, base = group_block_rows(offs, tokens, 128)
+    elif scaling == "rowwise":
         sl = torch.rand(groups, p, device="cuda", generator=gen) + 0.5
         sr = torch.rand(groups, q, device="cuda", generator=gen) + 0.5
     else:
@@ -148,13 +159,17 @@ def test_variable_k_matches_dequantized_product(lens, p, q, scaling, accumulate)
     start = torch.randn(groups, p, q, device="cuda", generator=gen)
     out = start.clone() if accumulate else torch.full_like(start, float("nan")).bfloat16()
     assert grouped_variable_k_sm90_usable(lhs, rhs, out)
-    assert grouped_gemm_fp8_variable_k_sm90(lhs, sl, rhs, sr, offs, out, accumulate)
+    assert grouped_gemm_fp8_variable_k_sm90(lhs, sl, rhs, sr, offs, out, accumulate, base)
     bounds = offs.tolist()
     for g in range(groups):
         rows = slice(bounds[g], bounds[g + 1])
-        scale_l = sl[g][:, None] if sl.dim() else sl
-        scale_r = sr[g][None, :] if sr.dim() else sr
-        expected = lhs[rows].float().t() @ rhs[rows].float() * scale_l * scale_r
+        if scaling == "blocks":
+            left = lhs[rows].float() * sl[rows_of[rows]]
+            expected = left.t() @ (rhs[rows].float() * sr[rows_of[rows]])
+        else:
+            scale_l = sl[g][:, None] if sl.dim() else sl
+            scale_r = sr[g][None, :] if sr.dim() else sr
+            expected = lhs[rows].float().t() @ rhs[rows].float() * scale_l * scale_r
         expected = expected + start[g] if accumulate else expected
         if lens[g] == 0:
             assert torch.equal(out[g].float(), expected), "an empty group gives zeros (or leaves out)"

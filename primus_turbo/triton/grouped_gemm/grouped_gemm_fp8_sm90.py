@@ -424,6 +424,7 @@ def _variable_k_consumer(
     c_desc,
     c_ptr,
     offs_ptr,
+    base_ptr,
     sl_ptr,
     sr_ptr,
     a_bufs,
@@ -435,13 +436,16 @@ def _variable_k_consumer(
     P,
     Q,
     PER_COLUMN: gl.constexpr,
+    PER_BLOCK: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """The default partition: wgmma over each tile's token blocks (one left in flight), the scales and
-    the epilogue."""
+    """The default partition: wgmma over each tile's token blocks, the scales and the epilogue. Scales
+    constant along the tokens leave one wgmma in flight and apply to the finished tile; PER_BLOCK scales
+    (one row per token block, ``base[g]`` the group's first) scale each block's product before it is
+    added."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -452,10 +456,18 @@ def _variable_k_consumer(
     num_pid_n = gl.cdiv(Q, BLOCK_N)
     tiles_per_group = num_pid_m * num_pid_n
     cons = gl.to_tensor(0)
+    prod = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
     for tile in range(gl.program_id(0), G * tiles_per_group, gl.num_programs(0)):
         g, pid_m, pid_n, start, end, first, blocks = _variable_k_tile(
             tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
         )
+        offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        offs_q = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        p_ok = offs_p < P
+        q_ok = offs_q < Q
+        block_row = gl.to_tensor(0)
+        if PER_BLOCK:
+            block_row = gl.load(base_ptr + g).to(gl.int32)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for i in range(blocks):
             t0 = first + i * BLOCK_K
@@ -466,25 +478,32 @@ def _variable_k_consumer(
                 _mask_tokens(b_bufs.index(slot), t0, start, end, BLOCK_K, num_warps)
                 fence_async_shared()
                 _cta_barrier()
-            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the previous block's wgmma has retired in both warpgroups: its stage goes back
-            _cta_barrier()
-            mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
+            b = b_bufs.index(slot).permute((1, 0))
+            if PER_BLOCK:
+                prod = warpgroup_mma(a_bufs.index(slot), b, prod, use_acc=False, is_async=True)
+                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                _cta_barrier()
+                mbarrier.arrive(empty.index(slot))
+                sl = gl.load(sl_ptr + (block_row + i) * P + offs_p, mask=p_ok, other=0.0)
+                sr = gl.load(sr_ptr + (block_row + i) * Q + offs_q, mask=q_ok, other=0.0)
+                acc = acc + prod * (gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0))
+            else:
+                acc = warpgroup_mma(a_bufs.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # the previous block's wgmma has retired in both warpgroups: its stage goes back
+                _cta_barrier()
+                mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
             cons += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _cta_barrier()
-        mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=blocks > 0)
-        offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-        offs_q = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        p_ok = offs_p < P
-        q_ok = offs_q < Q
-        if PER_COLUMN:
-            sl = gl.load(sl_ptr + g * P + offs_p, mask=p_ok, other=0.0)
-            sr = gl.load(sr_ptr + g * Q + offs_q, mask=q_ok, other=0.0)
-            acc = acc * gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0)
-        else:
-            acc = acc * (gl.load(sl_ptr) * gl.load(sr_ptr))
+        if not PER_BLOCK:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()
+            mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=blocks > 0)
+            if PER_COLUMN:
+                sl = gl.load(sl_ptr + g * P + offs_p, mask=p_ok, other=0.0)
+                sr = gl.load(sr_ptr + g * Q + offs_q, mask=q_ok, other=0.0)
+                acc = acc * gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0)
+            else:
+                acc = acc * (gl.load(sl_ptr) * gl.load(sr_ptr))
         row0 = g * P + pid_m * BLOCK_M
         if ACCUMULATE or (pid_m * BLOCK_M + BLOCK_M > P):
             rows = (g * P + offs_p).to(gl.int64) * Q
@@ -545,12 +564,14 @@ def _grouped_variable_k_sm90_kernel(
     c_desc,
     c_ptr,
     offs_ptr,
+    base_ptr,
     sl_ptr,
     sr_ptr,
     G,
     P,
     Q,
     PER_COLUMN: gl.constexpr,
+    PER_BLOCK: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -577,6 +598,7 @@ def _grouped_variable_k_sm90_kernel(
                     c_desc,
                     c_ptr,
                     offs_ptr,
+                    base_ptr,
                     sl_ptr,
                     sr_ptr,
                     a_bufs,
@@ -588,6 +610,7 @@ def _grouped_variable_k_sm90_kernel(
                     P,
                     Q,
                     PER_COLUMN,
+                    PER_BLOCK,
                     ACCUMULATE,
                     GROUP_M,
                     NUM_STAGES,
@@ -632,11 +655,14 @@ def grouped_gemm_fp8_variable_k_sm90(
     group_offs: torch.Tensor,
     out: torch.Tensor,
     accumulate: bool,
+    block_base: torch.Tensor | None = None,
     config: BlockSm90Config | None = None,
 ) -> bool:
     """``out[g] (+)= (lhs[rows of g] * sl)^T (rhs[rows of g] * sr)`` with 0-d scales or one per (group,
-    column) ([G, P] / [G, Q], contiguous): the tensorwise and row-wise wgrad. False (nothing written)
-    where this Triton's Gluon cannot compile the kernel. Check ``grouped_variable_k_sm90_usable`` first."""
+    column) ([G, P] / [G, Q], contiguous): the tensorwise and row-wise wgrad; or, with ``block_base``
+    (int64 [G], each group's first scale row), one scale row per 128-token block of a group
+    (``quantize_fp8_group_blocks``): the block recipe's. False (nothing written) where this Triton's
+    Gluon cannot compile the kernel. Check ``grouped_variable_k_sm90_usable`` first."""
     config = config or BlockSm90Config()
     groups, p, q = out.shape
 
@@ -652,12 +678,14 @@ def grouped_gemm_fp8_variable_k_sm90(
             descriptor(out.view(groups * p, q), [_TILE, _TILE]),
             out,
             group_offs,
+            group_offs if block_base is None else block_base,
             lhs_scale,
             rhs_scale,
             groups,
             p,
             q,
-            PER_COLUMN=lhs_scale.dim() > 0,
+            PER_COLUMN=lhs_scale.dim() > 0 and block_base is None,
+            PER_BLOCK=block_base is not None,
             ACCUMULATE=accumulate,
             GROUP_M=config.group_m,
             NUM_STAGES=config.num_stages,

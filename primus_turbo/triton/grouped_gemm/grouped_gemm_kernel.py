@@ -8,9 +8,8 @@
   [T, P] and ``rhs`` [T, Q] (the weight gradient: the reduction runs over each group's tokens); one
   program per (group, output tile), so the grid is known without the group sizes.
 
-``grouped_gemm_fp8_triton`` and, for scales constant along the tokens, ``grouped_gemm_fp8_variable_k_triton``
-run the Hopper Gluon kernels of ``grouped_gemm_fp8_sm90`` where they take the call, and the plain-Triton
-kernels here elsewhere.
+``grouped_gemm_fp8_triton`` and ``grouped_gemm_fp8_variable_k_triton`` run the Hopper Gluon kernels of
+``grouped_gemm_fp8_sm90`` where they take the call, and the plain-Triton kernels here elsewhere.
 
 Operands come as views of any strides. FP8 ones should have the reduction dimension contiguous
 (K-major weights, token-major wgrad operands): Hopper's FP8 MMA reads only that layout, and the others
@@ -607,10 +606,11 @@ def grouped_gemm_fp8_variable_k_triton(
     lhs_scale, rhs_scale = lhs_scale.float().contiguous(), rhs_scale.float().contiguous()
     per_block = block_base is not None
     if (
-        not per_block
-        and grouped_gemm_fp8_variable_k_sm90 is not None
+        grouped_gemm_fp8_variable_k_sm90 is not None
         and grouped_variable_k_sm90_usable(lhs, rhs, out)
-        and grouped_gemm_fp8_variable_k_sm90(lhs, lhs_scale, rhs, rhs_scale, group_offs, out, accumulate)
+        and grouped_gemm_fp8_variable_k_sm90(
+            lhs, lhs_scale, rhs, rhs_scale, group_offs, out, accumulate, block_base
+        )
     ):
         return out
     _launch(
