@@ -480,12 +480,13 @@ def _variable_k_consumer(
                 _cta_barrier()
             b = b_bufs.index(slot).permute((1, 0))
             if PER_BLOCK:
+                # the block's scales load while its wgmma runs
+                sl = gl.load(sl_ptr + (block_row + i) * P + offs_p, mask=p_ok, other=0.0)
+                sr = gl.load(sr_ptr + (block_row + i) * Q + offs_q, mask=q_ok, other=0.0)
                 prod = warpgroup_mma(a_bufs.index(slot), b, prod, use_acc=False, is_async=True)
                 prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
                 _cta_barrier()
                 mbarrier.arrive(empty.index(slot))
-                sl = gl.load(sl_ptr + (block_row + i) * P + offs_p, mask=p_ok, other=0.0)
-                sr = gl.load(sr_ptr + (block_row + i) * Q + offs_q, mask=q_ok, other=0.0)
                 acc = acc + prod * (gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0))
             else:
                 acc = warpgroup_mma(a_bufs.index(slot), b, acc, is_async=True)
