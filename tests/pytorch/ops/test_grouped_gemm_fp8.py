@@ -350,3 +350,33 @@ def test_triton_variable_k_kernel(per_column):
         # term) before each promotion to fp32, so the bound scales with the sum of |products|.
         bound = (left.abs().t() @ right.abs()).max().item() * 2**-12 + 1e-6
         torch.testing.assert_close(out[g].double(), left.t() @ right, rtol=0, atol=bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
+def test_cuda_graph_capture_and_replay(granularity):
+    """The whole FP8 step (quantizations, forward, dgrad, wgrad) replays from a CUDA graph: nothing on
+    the path reads group sizes on the host."""
+    lens = _group_lens("skewed", 4, 200)
+    a, b, grad = _operands(lens, 256, 128, True, torch.bfloat16)
+    block = 128 if granularity is G.BLOCKWISE else None
+    config = Float8QuantConfig(granularity=granularity, block_size=block)
+    static_a = a.detach().clone().requires_grad_()
+    grouped_gemm_fp8(static_a, b, lens, trans_b=True, config=config).backward(grad)  # compile outside
+    static_a.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = grouped_gemm_fp8(static_a, b, lens, trans_b=True, config=config)
+        static_out.backward(grad)
+    fresh = torch.randn_like(a)
+    with torch.no_grad():
+        static_a.copy_(fresh)
+    graph.replay()
+    expected_a = fresh.detach().clone().requires_grad_()
+    expected_b = b.detach().clone().requires_grad_()
+    expected = grouped_gemm_fp8(expected_a, expected_b, lens, trans_b=True, config=config)
+    expected.backward(grad)
+    torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(static_a.grad, expected_a.grad, rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, expected_b.grad, rtol=0, atol=0)
