@@ -322,6 +322,39 @@ def _producer(
 
 
 @gluon.jit
+def stage_ring(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
+    """Shared memory of a TMA-fed kernel: NUM_STAGES (A, B) stages with their ``ready`` / ``empty``
+    mbarriers, and one output tile."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return a_bufs, b_bufs, c_smem, ready, empty
+
+
+@gluon.jit
+def drop_ring(ready, empty, NUM_STAGES: gl.constexpr):
+    """Invalidate the stage ring's mbarriers at the kernel's end."""
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of ``t`` (2-D, unit last stride) with ``block`` tiles in the default
+    swizzled shared-memory layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+@gluon.jit
 def _gemm_fp8_block_sm90_kernel(
     a_desc,
     b_desc,
@@ -341,19 +374,11 @@ def _gemm_fp8_block_sm90_kernel(
     PRO: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]  # the scale block: one K-block per scale
     gl.static_assert(BLOCK_K % BLOCK_N == 0, "a tile's columns lie in one weight block")
     gl.static_assert(K_UNROLL % 2 == 0, "an iteration's products alternate p0 / p1 evenly")
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    a_bufs, b_bufs, c_smem, ready, empty = stage_ring(a_desc, b_desc, c_desc, NUM_STAGES)
     gl.warp_specialize(
         [
             (
@@ -388,9 +413,7 @@ def _gemm_fp8_block_sm90_kernel(
         [1],
         [24],
     )
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    drop_ring(ready, empty, NUM_STAGES)
 
 
 _TILE = 128
@@ -445,17 +468,13 @@ def gemm_fp8_block_sm90(
         return True
     k_tiles = k // SCALE_BLOCK
 
-    def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
     tiles = triton.cdiv(m, _TILE) * triton.cdiv(n, _TILE)
     grid = (min(tiles, num_sms(out.device)),)
     try:
         _gemm_fp8_block_sm90_kernel[grid](
-            descriptor(a, [_TILE, SCALE_BLOCK]),
-            descriptor(b, [_TILE, SCALE_BLOCK]),
-            descriptor(out, [_TILE, _TILE]),
+            tma_descriptor(a, [_TILE, SCALE_BLOCK]),
+            tma_descriptor(b, [_TILE, SCALE_BLOCK]),
+            tma_descriptor(out, [_TILE, _TILE]),
             a_scale,
             b_scale,
             m,

@@ -38,7 +38,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     _GL_DTYPES,
@@ -49,6 +48,9 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     _tile_mainloop,
     _tma_load,
     _tma_store,
+    drop_ring,
+    stage_ring,
+    tma_descriptor,
 )
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import num_sms
@@ -245,19 +247,11 @@ def _grouped_gemm_fp8_sm90_kernel(
     PRO: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     gl.static_assert(BLOCK_K % BLOCK_N == 0, "a tile's columns lie in one weight block")
     gl.static_assert(K_UNROLL % 2 == 0, "an iteration's products alternate p0 / p1 evenly")
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    a_bufs, b_bufs, c_smem, ready, empty = stage_ring(a_desc, b_desc, c_desc, NUM_STAGES)
     gl.warp_specialize(
         [
             (
@@ -303,9 +297,7 @@ def _grouped_gemm_fp8_sm90_kernel(
         [1],
         [24],
     )
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    drop_ring(ready, empty, NUM_STAGES)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -354,15 +346,11 @@ def grouped_gemm_fp8_sm90(
     sc, stride_scg, stride_scn = col_scale if col_scale is not None else (sb, 0, 0)
     k_tiles = triton.cdiv(k, SCALE_BLOCK)
 
-    def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
     try:
         _grouped_gemm_fp8_sm90_kernel[(num_sms(a.device),)](
-            descriptor(a, [_TILE, SCALE_BLOCK]),
-            descriptor(weights.view(groups * n, k), [_TILE, SCALE_BLOCK]),
-            descriptor(out, [_TILE, _TILE]),
+            tma_descriptor(a, [_TILE, SCALE_BLOCK]),
+            tma_descriptor(weights.view(groups * n, k), [_TILE, SCALE_BLOCK]),
+            tma_descriptor(out, [_TILE, _TILE]),
             out,
             group_offs,
             sa,
@@ -578,17 +566,7 @@ def _grouped_variable_k_sm90_kernel(
     NUM_STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    a_bufs, b_bufs, c_smem, ready, empty = stage_ring(a_desc, b_desc, c_desc, NUM_STAGES)
     gl.warp_specialize(
         [
             (
@@ -626,9 +604,7 @@ def _grouped_variable_k_sm90_kernel(
         [1],
         [24],
     )
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    drop_ring(ready, empty, NUM_STAGES)
 
 
 def grouped_variable_k_sm90_usable(lhs: torch.Tensor, rhs: torch.Tensor, out: torch.Tensor) -> bool:
@@ -667,16 +643,12 @@ def grouped_gemm_fp8_variable_k_sm90(
     config = config or BlockSm90Config()
     groups, p, q = out.shape
 
-    def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
     tiles = groups * triton.cdiv(p, _TILE) * triton.cdiv(q, _TILE)
     try:
         _grouped_variable_k_sm90_kernel[(min(tiles, num_sms(lhs.device)),)](
-            descriptor(lhs.t(), [_TILE, _TILE]),
-            descriptor(rhs.t(), [_TILE, _TILE]),
-            descriptor(out.view(groups * p, q), [_TILE, _TILE]),
+            tma_descriptor(lhs.t(), [_TILE, _TILE]),
+            tma_descriptor(rhs.t(), [_TILE, _TILE]),
+            tma_descriptor(out.view(groups * p, q), [_TILE, _TILE]),
             out,
             group_offs,
             group_offs if block_base is None else block_base,
