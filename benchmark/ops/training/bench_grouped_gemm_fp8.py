@@ -5,6 +5,8 @@ Per case (the same expert shapes and routings as bf16) and backend label:
 - **GEMM**: ``primus_turbo::grouped_gemm_fp8`` on operands quantized beforehand (through the dispatcher),
   against ``torch._scaled_grouped_mm`` on the same operands (row-wise scales; tensorwise scales passed
   as constant row vectors; no peer for block scaling) and against bf16 ``torch._grouped_mm``.
+- **Forward**: ``grouped_gemm_fp8(a, b, lens, trans_b=True)`` from bf16 tensors (the tokens' and the
+  weights' quantization included) against the bf16 ``torch._grouped_mm``.
 - **Step**: forward + backward of ``grouped_gemm_fp8(a, b, lens, trans_b=True)`` from bf16 tensors (every
   quantization included) against the bf16 ``torch._grouped_mm`` forward + backward.
 
@@ -89,6 +91,9 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
     def bf16_step():
         torch._grouped_mm(a, b.transpose(1, 2), offs=offs32).backward(grad)
 
+    def forward():
+        return grouped_gemm_fp8(a.detach(), b.detach(), lens, trans_b=True, config=config)
+
     def step():
         grouped_gemm_fp8(a, b, lens, trans_b=True, config=config).backward(grad)
 
@@ -118,6 +123,8 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
             if peer_ms:
                 row["Peer ms"], row["Peer TFLOPS"] = peer_ms[0], flops / peer_ms[0] / 1e9
                 row["Ratio vs peer"] = peer_ms[0] / gemm_ms
+            row["Fwd ms"], row["BF16 Fwd ms"] = time_interleaved([forward, bf16_gemm], None, device)
+            row["Fwd ratio vs bf16"] = row["BF16 Fwd ms"] / row["Fwd ms"]
             row["Step ms"], row["BF16 Step ms"] = time_interleaved([step, bf16_step], [a, b], device)
             row["Step ratio vs bf16"] = row["BF16 Step ms"] / row["Step ms"]
         except Exception as exc:  # report the row and keep benchmarking
@@ -129,8 +136,9 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
 
 
 def summarize(rows: list[Row], labels: list[str]) -> list[list[Any]]:
-    """Per label and routing: geomean GEMM ratio vs the scaled peer and vs bf16, and the step ratio."""
-    keys = ("Ratio vs peer", "Ratio vs bf16", "Step ratio vs bf16")
+    """Per label and routing: geomean GEMM ratio vs the scaled peer and vs bf16, the forward's (with
+    quantization) and the step's ratio vs bf16."""
+    keys = ("Ratio vs peer", "Ratio vs bf16", "Fwd ratio vs bf16", "Step ratio vs bf16")
     lines = []
     for label in labels:
         for routing in ("balanced", "skewed"):
@@ -142,8 +150,9 @@ def summarize(rows: list[Row], labels: list[str]) -> list[list[Any]]:
 
 def print_tables(rows: list[Row], labels: list[str]) -> None:
     columns = ["Model", "GEMM", "Tokens", "Routing", "Backend", "Selected", "Check", "GEMM TFLOPS"]
-    columns += ["Peer TFLOPS", "Ratio vs peer", "Ratio vs bf16", "Step ratio vs bf16"]
+    columns += ["Peer TFLOPS", "Ratio vs peer", "Ratio vs bf16", "Fwd ratio vs bf16", "Step ratio vs bf16"]
     print(tabulate([[r.get(c, "-") for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
     print()
-    headers = ["Backend", "Routing", "PASS", "GEMM vs scaled peer", "GEMM vs bf16", "Step vs bf16"]
+    headers = ["Backend", "Routing", "PASS", "GEMM vs scaled peer", "GEMM vs bf16", "Fwd vs bf16"]
+    headers.append("Step vs bf16")
     print(tabulate(summarize(rows, labels), headers=headers, disable_numparse=True))

@@ -203,7 +203,8 @@ def run_fp8(args: argparse.Namespace) -> None:
 FP8_COLUMNS = [
     "Model", "GEMM", "EP", "Experts", "Tokens", "N", "K", "Routing", "Granularity", "Backend", "Selected",
     "Check", "SNR dB", "GEMM ms", "GEMM TFLOPS", "Peer ms", "Peer TFLOPS", "Ratio vs peer", "BF16 ms",
-    "Ratio vs bf16", "Step ms", "BF16 Step ms", "Step ratio vs bf16", "Platform",
+    "Ratio vs bf16", "Fwd ms", "BF16 Fwd ms", "Fwd ratio vs bf16", "Step ms", "BF16 Step ms",
+    "Step ratio vs bf16", "Platform",
 ]  # fmt: skip
 
 
