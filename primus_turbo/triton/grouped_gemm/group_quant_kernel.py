@@ -48,11 +48,14 @@ def _tile_amax(x, mask):
 @triton.jit
 def _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, PARTIAL: tl.constexpr):
     """Store the [rows, cols] tile ``q`` into the [C, T] memory (row stride ``stride_q``) of a token-major
-    copy. Only a PARTIAL
-    tile masks rows outside [start, end): a mask varying along the contiguous dimension would break the
-    stores into single bytes."""
+    copy. Only a PARTIAL tile masks rows outside [start, end): a mask varying along the contiguous
+    dimension breaks the stores into single bytes. Its rows are also clamped into [start, end), which
+    changes nothing stored but keeps the compiler from merging a partial and a whole tile's stores
+    into one (single-byte) store where a caller branches between the two."""
     if PARTIAL:
-        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
+        in_group = (rows >= start) & (rows < end)
+        rows = tl.minimum(tl.maximum(rows, start), end - 1)
+        mask = in_group[:, None] & col_ok[None, :]
     else:
         mask = col_ok[None, :]
     ptrs = q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None]
