@@ -194,17 +194,22 @@ def token_major_empty(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize_fp8_group_columns_triton(
-    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype
+    x: torch.Tensor,
+    group_offs: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    launch: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, C] token-major, scale_inv [G, C])`` of ``x`` [T, C] (unit column stride), one scale per
-    (group, column) of the groups ``group_offs`` (int64 [G + 1], on the device) delimits."""
+    (group, column) of the groups ``group_offs`` (int64 [G + 1], on the device) delimits. ``launch``
+    overrides (columns per program, rows per step, warps) for tuning sweeps."""
+    block_c, block_t, warps = launch or (_BLOCK_C, _COLUMN_ROWS, 8)
     tokens, cols = x.shape
     groups = group_offs.numel() - 1
     q = token_major_empty(x, fp8_dtype)
     scale = torch.empty((groups, cols), dtype=torch.float32, device=x.device)
     if groups == 0 or cols == 0:
         return q, scale
-    _group_columns_kernel[(groups, triton.cdiv(cols, _BLOCK_C))](
+    _group_columns_kernel[(groups, triton.cdiv(cols, block_c))](
         x,
         q,
         scale,
@@ -213,10 +218,10 @@ def quantize_fp8_group_columns_triton(
         cols,
         x.stride(0),
         FP8_MAX=torch.finfo(fp8_dtype).max,
-        BLOCK_T=_COLUMN_ROWS,
-        BLOCK_C=_BLOCK_C,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
         CAST_SATURATES=fp8_cast_saturates(x.device, fp8_dtype),
-        num_warps=8,
+        num_warps=warps,
     )
     return q, scale
 
@@ -228,19 +233,22 @@ def quantize_fp8_group_blocks_triton(
     fp8_dtype: torch.dtype,
     block: int,
     scale_rows: int,
+    launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, C] token-major, scale_inv [scale_rows, C])`` of ``x`` [T, C] (unit column stride), one
     scale per (block, column): group g's blocks are the stretches of ``block`` tokens aligned to
     multiples of ``block`` that its tokens touch, ``block_ends`` (int64 [G]) the running total of the
     blocks per group. ``scale_rows`` bounds the blocks of any group sizes (``ceil(T / block) + G``); the
-    rows past the last block hold 1."""
+    rows past the last block hold 1. ``launch`` overrides (columns per program, warps) for tuning
+    sweeps."""
+    block_c, warps = launch or (_BLOCK_C, 8)
     tokens, cols = x.shape
     groups = group_offs.numel() - 1
     q = token_major_empty(x, fp8_dtype)
     scale = torch.empty((scale_rows, cols), dtype=torch.float32, device=x.device)
     if cols == 0 or scale_rows == 0:
         return q, scale
-    _group_blocks_kernel[(scale_rows, triton.cdiv(cols, _BLOCK_C))](
+    _group_blocks_kernel[(scale_rows, triton.cdiv(cols, block_c))](
         x,
         q,
         scale,
@@ -253,8 +261,8 @@ def quantize_fp8_group_blocks_triton(
         FP8_MAX=torch.finfo(fp8_dtype).max,
         BLOCK=block,
         BLOCK_G=triton.next_power_of_2(max(groups, 1)),
-        BLOCK_C=_BLOCK_C,
+        BLOCK_C=block_c,
         CAST_SATURATES=fp8_cast_saturates(x.device, fp8_dtype),
-        num_warps=8,
+        num_warps=warps,
     )
     return q, scale
