@@ -380,3 +380,31 @@ def test_cuda_graph_capture_and_replay(granularity):
     torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
     torch.testing.assert_close(static_a.grad, expected_a.grad, rtol=0, atol=0)
     torch.testing.assert_close(b.grad, expected_b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "quantize,launch",
+    [("columns", (64, 32, 4)), ("columns", (32, 128, 4)), ("blocks", (64, 4)), ("blocks", (256, 8))],
+    ids=str,
+)
+def test_group_quantizer_launch_overrides_give_the_same_bits(quantize, launch):
+    """The tuning sweep's launch overrides change only the speed of the wgrad-operand quantizers."""
+    from primus_turbo.triton.grouped_gemm import (
+        quantize_fp8_group_blocks_triton,
+        quantize_fp8_group_columns_triton,
+    )
+
+    lens = torch.tensor([0, 70, 130, 3], dtype=torch.int64, device=DEVICE)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    x = torch.randn(int(lens.sum()), 320, device=DEVICE, dtype=torch.bfloat16)
+    e4m3 = torch.float8_e4m3fn
+    if quantize == "columns":
+        outputs = [quantize_fp8_group_columns_triton(x, offs, e4m3, c) for c in (None, launch)]
+    else:
+        ends = torch.cumsum(impl.group_blocks(offs, 128), 0)
+        count = impl.group_block_count(x.shape[0], lens.numel(), 128)
+        outputs = [
+            quantize_fp8_group_blocks_triton(x, offs, ends, e4m3, 128, count, c) for c in (None, launch)
+        ]
+    (q0, s0), (q1, s1) = outputs
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
