@@ -294,6 +294,22 @@ def _consumer(
 
 
 @gluon.jit
+def load_stage(
+    a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod, a_row, a_col, b_row, b_col, NUM_STAGES: gl.constexpr
+):
+    """The producer's step ``prod``: wait until the consumers release its stage (at once on the first
+    round), TMA-load the A tile at (a_row, a_col) and the B tile at (b_row, b_col) into it, and return
+    the next step."""
+    slot = prod % NUM_STAGES
+    mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    _tma_load(a_desc, [a_row, a_col], bar, a_bufs.index(slot))
+    _tma_load(b_desc, [b_row, b_col], bar, b_bufs.index(slot))
+    return prod + 1
+
+
+@gluon.jit
 def _producer(
     a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr
 ):
@@ -311,14 +327,10 @@ def _producer(
     for t in range(my_tiles):
         pid_m, pid_n = _tile_coords(pid + t * num_progs, num_pid_m, num_pid_n, GROUP_M)
         for kb in range(k_tiles):
-            slot = prod % NUM_STAGES
-            # the consumers released the stage (passes at once on the first round)
-            mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, a_bufs.index(slot))
-            _tma_load(b_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, b_bufs.index(slot))
-            prod += 1
+            prod = load_stage(
+                a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod,
+                pid_m * BLOCK_M, kb * BLOCK_K, pid_n * BLOCK_N, kb * BLOCK_K, NUM_STAGES,
+            )  # fmt: skip
 
 
 @gluon.jit

@@ -46,9 +46,9 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     _cta_barrier,
     _mma_layout,
     _tile_mainloop,
-    _tma_load,
     _tma_store,
     drop_ring,
+    load_stage,
     stage_ring,
     tma_descriptor,
 )
@@ -77,6 +77,39 @@ def _group_bounds(offs_ptr, g, tiles_before, num_pid_n, BLOCK_M: gl.constexpr):
     num_progs = gl.num_programs(0)
     first = (gl.program_id(0) - tiles_before % num_progs + num_progs) % num_progs
     return start, end, num_pid_m, num_pid_m * num_pid_n, first
+
+
+@gluon.jit
+def _store_tile(
+    acc,
+    c_desc,
+    c_smem,
+    c_ptr,
+    rows,
+    cols,
+    row0,
+    col0,
+    rows_end,
+    N,
+    stride_cm,
+    WHOLE,
+    ACCUMULATE: gl.constexpr,
+):
+    """A finished tile into ``out``: through shared memory and a TMA store at (row0, col0) when it is
+    WHOLE (every row below ``rows_end``; the descriptor clips columns at N) and not accumulated, else
+    through pointers masked to rows below ``rows_end`` and columns below N, adding what ``out`` holds
+    when ACCUMULATE."""
+    if (not ACCUMULATE) and WHOLE:
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [row0, col0], c_smem)
+    else:
+        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(rows < rows_end, 1) & gl.expand_dims(cols < N, 0)
+        if ACCUMULATE:
+            acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+        gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
 
 
 @gluon.jit
@@ -162,15 +195,22 @@ def _grouped_consumer(
             if COL_SCALE:
                 sc = gl.load(sc_ptr + g * stride_scg + offs_n * stride_scn, mask=offs_n < N, other=0.0)
                 acc = acc * gl.expand_dims(sc, 0)
-            if row0 + BLOCK_M <= end:
-                tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-                c_smem.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
-            else:
-                ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-                mask = gl.expand_dims(m_mask, 1) & gl.expand_dims(offs_n < N, 0)
-                gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
+            whole = row0 + BLOCK_M <= end
+            _store_tile(
+                acc,
+                c_desc,
+                c_smem,
+                c_ptr,
+                offs_m,
+                offs_n,
+                row0,
+                pid_n * BLOCK_N,
+                end,
+                N,
+                stride_cm,
+                whole,
+                False,
+            )
         tiles_before += group_tiles
     tma.store_wait(pendings=0)
 
@@ -208,14 +248,10 @@ def _grouped_producer(
             row0 = start + pid_m * BLOCK_M
             b_row = g * N + pid_n * BLOCK_N
             for kb in range(k_tiles):
-                slot = prod % NUM_STAGES
-                # the consumers released the stage (passes at once on the first round)
-                mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                _tma_load(a_desc, [row0, kb * BLOCK_K], bar, a_bufs.index(slot))
-                _tma_load(b_desc, [b_row, kb * BLOCK_K], bar, b_bufs.index(slot))
-                prod += 1
+                prod = load_stage(
+                    a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod,
+                    row0, kb * BLOCK_K, b_row, kb * BLOCK_K, NUM_STAGES,
+                )  # fmt: skip
         tiles_before += group_tiles
 
 
@@ -493,19 +529,13 @@ def _variable_k_consumer(
                 acc = acc * gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0)
             else:
                 acc = acc * (gl.load(sl_ptr) * gl.load(sr_ptr))
-        row0 = g * P + pid_m * BLOCK_M
-        if ACCUMULATE or (pid_m * BLOCK_M + BLOCK_M > P):
-            rows = (g * P + offs_p).to(gl.int64) * Q
-            ptrs = c_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(offs_q, 0)
-            mask = gl.expand_dims(p_ok, 1) & gl.expand_dims(q_ok, 0)
-            if ACCUMULATE:
-                acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
-            gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
-        else:
-            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+        # out [G, P, Q] as [G * P, Q] rows
+        whole = pid_m * BLOCK_M + BLOCK_M <= P
+        rows = g * P + offs_p
+        _store_tile(
+            acc, c_desc, c_smem, c_ptr, rows, offs_q, g * P + pid_m * BLOCK_M, pid_n * BLOCK_N, g * P + P, Q,
+            Q, whole, ACCUMULATE,
+        )  # fmt: skip
     tma.store_wait(pendings=0)
 
 
@@ -537,13 +567,11 @@ def _variable_k_producer(
             tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
         )
         for i in range(blocks):
-            slot = prod % NUM_STAGES
-            mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [pid_m * BLOCK_M, first + i * BLOCK_K], bar, a_bufs.index(slot))
-            _tma_load(b_desc, [pid_n * BLOCK_N, first + i * BLOCK_K], bar, b_bufs.index(slot))
-            prod += 1
+            t0 = first + i * BLOCK_K
+            prod = load_stage(
+                a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod,
+                pid_m * BLOCK_M, t0, pid_n * BLOCK_N, t0, NUM_STAGES,
+            )  # fmt: skip
 
 
 @gluon.jit

@@ -27,7 +27,7 @@ import triton.language as tl
 from primus_turbo.triton.utils.autotune import KeepAccumulatedOutput, tuning_bench
 from primus_turbo.triton.utils.device_info import interpreter_active, kernel_autotune_enabled, num_sms
 
-try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for the forward and dgrad
+try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernels for the forward, dgrad and wgrad
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
         SCALE_BLOCK,
         grouped_gemm_fp8_sm90,
