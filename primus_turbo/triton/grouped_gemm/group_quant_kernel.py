@@ -46,6 +46,16 @@ def _tile_amax(x, mask):
 
 
 @triton.jit
+def _load_rows(x_ptr, t0, start, end, cols, col_ok, stride_x, BLOCK_T: tl.constexpr):
+    """``(rows, mask, x)``: rows t0 .. t0 + BLOCK_T of x's columns ``cols`` in fp32, those outside
+    [start, end) (and the columns past C) read as 0."""
+    rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return rows, mask, x
+
+
+@triton.jit
 def _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, PARTIAL: tl.constexpr):
     """Store the [rows, cols] tile ``q`` into the [C, T] memory (row stride ``stride_q``) of a token-major
     copy. Only a PARTIAL tile masks rows outside [start, end): a mask varying along the contiguous
@@ -80,9 +90,7 @@ def _cast_rows(
     CAST_SATURATES: tl.constexpr,
 ):
     """Quantize rows t0 .. t0 + BLOCK_T (those in [start, end)) into the token-major copy."""
-    rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-    mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, _, x = _load_rows(x_ptr, t0, start, end, cols, col_ok, stride_x, BLOCK_T)
     q = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
     _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, PARTIAL)
 
@@ -110,9 +118,7 @@ def _group_columns_kernel(
     amax = tl.zeros([BLOCK_C], dtype=tl.float32)
     bad = tl.zeros([BLOCK_C], dtype=tl.int32)
     for t0 in range(first, end, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, mask, x = _load_rows(x_ptr, t0, start, end, cols, col_ok, stride_x, BLOCK_T)
         tile_amax, tile_bad = _tile_amax(x, mask)
         amax = tl.maximum(amax, tile_amax)
         bad += tile_bad
@@ -170,9 +176,7 @@ def _group_blocks_kernel(
         start = tl.load(offs_ptr + g)
         end = tl.load(offs_ptr + g + 1)
         lo = (start // BLOCK + r - base) * BLOCK
-        rows = lo + tl.arange(0, BLOCK).to(tl.int64)
-        mask = ((rows >= start) & (rows < end))[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, mask, x = _load_rows(x_ptr, lo, start, end, cols, col_ok, stride_x, BLOCK)
         amax, bad = _tile_amax(x, mask)
         multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
         tl.store(scale_row, stored, mask=col_ok)
