@@ -329,6 +329,23 @@ def main(argv: list[str] | None = None) -> int:
                 )
             ),
         )
+    from primus_turbo.triton.grouped_gemm import grouped_gemm_sm90 as grouped16
+
+    for trans_b in (True, False):
+        weights = w16 if trans_b else torch.empty(groups, k, n, dtype=bf16)
+        attempt(
+            f"grouped bf16 sm90 (Gluon) {'K' if trans_b else 'N'}-major weights",
+            lambda weights=weights, trans_b=trans_b: grouped16.grouped_gemm_sm90(
+                a16, weights, offs, trans_b, torch.empty(tokens, n, dtype=bf16)
+            ),
+        )
+    for out_dtype, accumulate in ((bf16, False), (f32, True)):
+        attempt(
+            f"grouped bf16 variable-K sm90 (Gluon) -> {out_dtype}",
+            lambda out_dtype=out_dtype, accumulate=accumulate: grouped16.grouped_gemm_variable_k_sm90(
+                dy16, a16, offs, torch.empty(groups, n, k, dtype=out_dtype), accumulate
+            ),
+        )
     for mode, kernel, launch in launches:
         all_configs = kernel.configs
         for config in all_configs[:1] if args.quick else all_configs:

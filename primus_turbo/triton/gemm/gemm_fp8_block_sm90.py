@@ -335,14 +335,13 @@ def _producer(
 
 @gluon.jit
 def stage_ring(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
-    """Shared memory of a TMA-fed kernel: NUM_STAGES (A, B) stages with their ``ready`` / ``empty``
-    mbarriers, and one output tile."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    """Shared memory of a TMA-fed kernel: NUM_STAGES (A, B) stages of the descriptors' block shapes with
+    their ``ready`` / ``empty`` mbarriers, and one output tile."""
+    a_shape: gl.constexpr = a_desc.block_type.shape
+    b_shape: gl.constexpr = b_desc.block_type.shape
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_shape[0], a_shape[1]], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_shape[0], b_shape[1]], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):

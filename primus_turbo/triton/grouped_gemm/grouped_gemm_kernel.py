@@ -8,8 +8,8 @@
   [T, P] and ``rhs`` [T, Q] (the weight gradient: the reduction runs over each group's tokens); one
   program per (group, output tile), so the grid is known without the group sizes.
 
-``grouped_gemm_fp8_triton`` and ``grouped_gemm_fp8_variable_k_triton`` run the Hopper Gluon kernels of
-``grouped_gemm_fp8_sm90`` where they take the call, and the plain-Triton kernels here elsewhere.
+On Hopper every launcher here runs a Gluon kernel where it takes the call (``grouped_gemm_sm90`` for
+bf16/fp16, ``grouped_gemm_fp8_sm90`` for FP8), and the plain-Triton kernels here elsewhere.
 
 Operands come as views of any strides. FP8 ones should have the reduction dimension contiguous
 (K-major weights, token-major wgrad operands): Hopper's FP8 MMA reads only that layout, and the others
@@ -35,9 +35,18 @@ try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernels for the forward, dgrad
         grouped_sm90_usable,
         grouped_variable_k_sm90_usable,
     )
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import (
+        Sm90Tiles,
+        grouped_gemm_sm90,
+        grouped_gemm_variable_k_sm90,
+        grouped_sm90_16bit_usable,
+        grouped_variable_k_sm90_16bit_usable,
+    )
 except (ImportError, AttributeError):  # a Triton without Gluon, or with a Gluon API this file predates
     grouped_gemm_fp8_sm90 = grouped_sm90_usable = None
     grouped_gemm_fp8_variable_k_sm90 = grouped_variable_k_sm90_usable = None
+    grouped_gemm_sm90 = grouped_gemm_variable_k_sm90 = Sm90Tiles = None
+    grouped_sm90_16bit_usable = grouped_variable_k_sm90_16bit_usable = None
     SCALE_BLOCK = 128
 
 __all__ = [
@@ -385,6 +394,12 @@ def grouped_gemm_triton(
         return out
     if k == 0 or groups == 0:
         return out.zero_()
+    if (
+        grouped_gemm_sm90 is not None
+        and grouped_sm90_16bit_usable(a, b, trans_b, Sm90Tiles())
+        and grouped_gemm_sm90(a, b, group_offs, trans_b, out)
+    ):
+        return out
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     sms = num_sms(a.device)
     unused = _unused_scale(a.device)
@@ -432,6 +447,13 @@ def grouped_gemm_variable_k_triton(
     ``rhs`` [T, Q] of any strides; a group without rows gives zeros (or leaves ``out``)."""
     groups, p, q = out.shape
     if groups == 0 or p == 0 or q == 0:
+        return out
+    if (
+        lhs.shape[0] > 0
+        and grouped_gemm_variable_k_sm90 is not None
+        and grouped_variable_k_sm90_16bit_usable(lhs, rhs, out)
+        and grouped_gemm_variable_k_sm90(lhs, rhs, group_offs, out, accumulate)
+    ):
         return out
 
     def grid(meta: dict) -> tuple[int, int]:
