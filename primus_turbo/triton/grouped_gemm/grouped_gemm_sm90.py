@@ -32,14 +32,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     _cta_barrier,
-    _tma_load,
-    _tma_store,
     drop_ring,
+    load_stage,
     stage_ring,
     tma_descriptor,
 )
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
-from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import _aligned, _group_bounds, _variable_k_tile
+from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
+    _aligned,
+    _group_bounds,
+    _store_tile,
+    _variable_k_tile,
+)
 from primus_turbo.triton.utils.device_info import num_sms
 
 __all__ = [
@@ -89,21 +93,6 @@ def _drain(acc, cons, steps, empty, NUM_STAGES: gl.constexpr):
     _cta_barrier()
     mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=steps > 0)
     return acc
-
-
-@gluon.jit
-def _store_tile(acc, c_desc, c_smem, c_ptr, offs_m, offs_n, row0, col0, rows_end, N, stride_cm, WHOLE):
-    """A finished tile: through shared memory and a TMA store when WHOLE (every row inside the group),
-    else through masked pointers (rows below ``rows_end``, columns below N)."""
-    if WHOLE:
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _tma_store(c_desc, [row0, col0], c_smem)
-    else:
-        ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-        mask = gl.expand_dims(offs_m < rows_end, 1) & gl.expand_dims(offs_n < N, 0)
-        gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
 
 
 @gluon.jit
@@ -158,8 +147,9 @@ def _gemm_consumer(
             offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             whole = row0 + BLOCK_M <= end
             _store_tile(
-                acc, c_desc, c_smem, c_ptr, offs_m, offs_n, row0, pid_n * BLOCK_N, end, N, stride_cm, whole
-            )
+                acc, c_desc, c_smem, c_ptr, offs_m, offs_n, row0, pid_n * BLOCK_N, end, N, stride_cm,
+                whole, False,
+            )  # fmt: skip
         tiles_before += group_tiles
     tma.store_wait(pendings=0)
 
@@ -197,16 +187,14 @@ def _gemm_producer(
             pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
             row0 = start + pid_m * BLOCK_M
             for kb in range(k_tiles):
-                slot = prod % NUM_STAGES
-                mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                _tma_load(a_desc, [row0, kb * BLOCK_K], bar, a_bufs.index(slot))
                 if B_KMAJOR:  # [G * N, K]
-                    _tma_load(b_desc, [g * N + pid_n * BLOCK_N, kb * BLOCK_K], bar, b_bufs.index(slot))
+                    b_row, b_col = g * N + pid_n * BLOCK_N, kb * BLOCK_K
                 else:  # [G * K, N]
-                    _tma_load(b_desc, [g * K + kb * BLOCK_K, pid_n * BLOCK_N], bar, b_bufs.index(slot))
-                prod += 1
+                    b_row, b_col = g * K + kb * BLOCK_K, pid_n * BLOCK_N
+                prod = load_stage(
+                    a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod, row0, kb * BLOCK_K, b_row, b_col,
+                    NUM_STAGES,
+                )  # fmt: skip
         tiles_before += group_tiles
 
 
@@ -403,18 +391,11 @@ def _variable_k_consumer(
         acc = _drain(acc, cons, blocks, empty, NUM_STAGES)
         offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
         offs_q = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        rows = g * P + offs_p
-        if ACCUMULATE:
-            ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * Q, 1) + gl.expand_dims(offs_q, 0)
-            mask = gl.expand_dims(offs_p < P, 1) & gl.expand_dims(offs_q < Q, 0)
-            acc = acc + gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
-            gl.store(ptrs, acc.to(c_desc.dtype), mask=mask)
-        else:
-            whole = pid_m * BLOCK_M + BLOCK_M <= P
-            row0 = g * P + pid_m * BLOCK_M
-            _store_tile(
-                acc, c_desc, c_smem, c_ptr, rows, offs_q, row0, pid_n * BLOCK_N, g * P + P, Q, Q, whole
-            )
+        whole = pid_m * BLOCK_M + BLOCK_M <= P  # out [G, P, Q] as [G * P, Q] rows
+        _store_tile(
+            acc, c_desc, c_smem, c_ptr, g * P + offs_p, offs_q, g * P + pid_m * BLOCK_M, pid_n * BLOCK_N,
+            g * P + P, Q, Q, whole, ACCUMULATE,
+        )  # fmt: skip
     tma.store_wait(pendings=0)
 
 
@@ -446,13 +427,11 @@ def _variable_k_producer(
             tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
         )
         for i in range(blocks):
-            slot = prod % NUM_STAGES
-            mbarrier.wait(empty.index(slot), ((prod // NUM_STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [first + i * BLOCK_K, pid_m * BLOCK_M], bar, a_bufs.index(slot))
-            _tma_load(b_desc, [first + i * BLOCK_K, pid_n * BLOCK_N], bar, b_bufs.index(slot))
-            prod += 1
+            t0 = first + i * BLOCK_K
+            prod = load_stage(
+                a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod, t0, pid_m * BLOCK_M, t0, pid_n * BLOCK_N,
+                NUM_STAGES,
+            )  # fmt: skip
 
 
 @gluon.jit
