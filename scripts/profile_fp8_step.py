@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmark.ops.training.bench_gemm_fp8 import GRANULARITY_NAMES, quant_config
 from primus_turbo.pytorch.core.backend import GlobalBackendManager
-from primus_turbo.pytorch.ops import gemm_fp8, grouped_gemm_fp8
+from primus_turbo.pytorch.ops import gemm_fp8, grouped_gemm, grouped_gemm_fp8
 
 
 def linear_steps(mnk: str, names: list[str]) -> dict[str, Callable[[], None]]:
@@ -36,7 +36,8 @@ def linear_steps(mnk: str, names: list[str]) -> dict[str, Callable[[], None]]:
 
 
 def grouped_steps(gtnk: str, names: list[str]) -> dict[str, Callable[[], None]]:
-    """bf16 ``torch._grouped_mm`` and FP8 grouped steps of G balanced experts."""
+    """bf16 steps of ``torch._grouped_mm`` and of the library's ``grouped_gemm``, and the FP8 grouped
+    steps, of G balanced experts."""
     g, t, n, k = (int(v) for v in gtnk.split("x"))
     lens = torch.full((g,), t, dtype=torch.int64, device="cuda")
     offs32 = torch.cumsum(lens, 0).to(torch.int32)
@@ -47,7 +48,10 @@ def grouped_steps(gtnk: str, names: list[str]) -> dict[str, Callable[[], None]]:
     def bf16() -> None:
         torch._grouped_mm(a, w.transpose(1, 2), offs=offs32).backward(grad)
 
-    steps: dict[str, Callable[[], None]] = {"bf16": bf16}
+    def bf16_turbo() -> None:
+        grouped_gemm(a, w, lens, trans_b=True).backward(grad)
+
+    steps: dict[str, Callable[[], None]] = {"bf16": bf16, "bf16 grouped_gemm": bf16_turbo}
     for name in names:
         config = quant_config(name)
 

@@ -2,7 +2,10 @@
 
 A small shape keeps the GPU idle, so enqueueing ``--calls`` calls without a sync measures the host
 path alone: ``torch.matmul``, then ``primus_turbo.pytorch.ops.gemm`` pinned to each backend and under
-autotune, with and without autograd.
+autotune, with and without autograd; then the grouped GEMM (``torch._grouped_mm`` next to
+``grouped_gemm`` per backend, forward alone and forward + backward, and ``grouped_gemm_fp8`` per
+scaling), whose small MoE layers (Qwen3-30B-A3B's 768-wide experts) are short enough for host time to
+show in the step.
 
 Example::
 
@@ -12,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -57,7 +61,46 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             rows.append([f"gemm {label} (no_grad)", host_us(lambda: gemm(a, w, trans_b=True), args.calls)])
     GlobalBackendManager.reset()
+    rows += grouped_rows(args.calls)
     print(tabulate(rows, headers=["call", "host us/call"], floatfmt=".1f"))
+
+
+def grouped_rows(calls: int, groups: int = 4, tokens: int = 64, n: int = 256, k: int = 256) -> list[list]:
+    """Host microseconds per grouped GEMM call: the vendor op, then each library path."""
+    from benchmark.ops.training.bench_gemm_fp8 import quant_config
+    from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
+    from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8
+
+    lens = torch.full((groups,), tokens, dtype=torch.int64, device="cuda")
+    offs32 = torch.cumsum(lens, 0).to(torch.int32)
+    a = torch.randn(groups * tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(groups, n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(groups * tokens, n, device="cuda", dtype=torch.bfloat16)
+
+    def vendor():
+        return torch._grouped_mm(a, b.transpose(1, 2), offs=offs32)
+
+    def turbo(config=None):
+        if config is None:
+            return grouped_gemm(a, b, lens, trans_b=True)
+        return grouped_gemm_fp8(a, b, lens, trans_b=True, config=config)
+
+    def measure(label: str, fn) -> list[list]:
+        with torch.no_grad():
+            fwd = host_us(fn, calls)
+        step = host_us(lambda: fn().backward(grad), calls)
+        return [[f"{label} (no_grad)", fwd], [f"{label} fwd+bwd", step]]
+
+    rows = measure("torch._grouped_mm", vendor)
+    for label in ("default", "TORCH", "TRITON"):
+        GlobalBackendManager.reset()
+        if label != "default":
+            GlobalBackendManager.set_grouped_gemm_backend(BackendType[label])
+        rows += measure(f"grouped_gemm {label}", turbo)
+    GlobalBackendManager.reset()
+    for name in ("tensorwise", "rowwise", "blockwise"):
+        rows += measure(f"grouped_gemm_fp8 {name}", functools.partial(turbo, quant_config(name)))
+    return rows
 
 
 if __name__ == "__main__":
