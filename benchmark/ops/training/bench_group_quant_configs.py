@@ -33,7 +33,7 @@ TINY = [(3, 40, 256)]
 def _rows(groups: int, tokens: int, cols: int, device: str) -> list[dict]:
     from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
         group_block_count,
-        group_blocks,
+        group_block_layout,
     )
     from primus_turbo.triton.grouped_gemm import (
         quantize_fp8_group_blocks_triton,
@@ -44,7 +44,7 @@ def _rows(groups: int, tokens: int, cols: int, device: str) -> list[dict]:
     x = torch.randn(total, cols, device=device, dtype=torch.bfloat16)
     lens = torch.full((groups,), tokens, device=device, dtype=torch.int64)
     offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    block_ends = torch.cumsum(group_blocks(offs, 128), 0)
+    block_ends = group_block_layout(offs, 128)[0]
     count = group_block_count(total, groups, 128)
     e4m3 = torch.float8_e4m3fn
     ops = {

@@ -60,6 +60,9 @@ class BackendType(Enum):
     FLYDSL = "FLYDSL"
     TORCH = "TORCH"
 
+    # Members are singletons compared by identity; Enum's own hash runs Python code on every dispatch.
+    __hash__ = object.__hash__
+
 
 class PrecisionType(Enum):
     """The precision slot a backend setting applies to."""
@@ -67,6 +70,8 @@ class PrecisionType(Enum):
     FP4 = "FP4"
     FP8 = "FP8"
     BF16_FP16_FP32 = "BF16_FP16_FP32"
+
+    __hash__ = object.__hash__
 
 
 _PRECISION_NAMES: dict[str, PrecisionType | None] = {
@@ -553,7 +558,8 @@ class AutoKernelDispatcher:
             if selected is not None:
                 return cls._select(selected)
         default = cls.default_backend(**kwargs)
-        if default is not None and default in cls.backends and cls.backends[default].can_handle(**kwargs):
+        impl = cls.backends.get(default)
+        if impl is not None and impl.can_handle(**kwargs):
             return cls._select(default)
         reasons = []
         for backend, impl in cls.backends.items():

@@ -33,6 +33,7 @@ from primus_turbo.pytorch.core.low_precision import (
 from primus_turbo.pytorch.core.validation import check_dtype
 from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
+    group_block_layout,
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_accum_impl,
     grouped_gemm_fp8_variable_k_impl,
@@ -91,17 +92,19 @@ def _block(config: Float8QuantConfig) -> int:
     return config.block_size if config.granularity is _G.BLOCKWISE else 0
 
 
-def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype):
+def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype, block_ends):
     """Token-major FP8 copies of ``grad_out`` and ``a`` with their scales, for the wgrad GEMM
-    (``grad_t``: the tensorwise gradient already quantized and stored [N, T])."""
+    (``grad_t``: the tensorwise gradient already quantized and stored [N, T]; ``block_ends``: the block
+    layout's running block count under BLOCKWISE)."""
     a, _, group_offs, qa, sa, _, _ = ctx.saved_tensors
     config, block = ctx.config, _block(ctx.config)
     if config.granularity is _G.TENSORWISE:
         # the forward's scales serve the reduction over tokens too: transposed copies of the same values
         return grad_t.t(), grad_scale, call_op(transpose_last_two_impl, qa).t(), sa
     if config.granularity is _G.BLOCKWISE:
-        qg_t, sg_t = call_op(quantize_fp8_group_blocks_impl, grad_out, group_offs, grad_dtype, block)
-        qa_t, sa_t = call_op(quantize_fp8_group_blocks_impl, a, group_offs, fwd_dtype, block)
+        quantize = quantize_fp8_group_blocks_impl
+        qg_t, sg_t = call_op(quantize, grad_out, group_offs, grad_dtype, block, block_ends)
+        qa_t, sa_t = call_op(quantize, a, group_offs, fwd_dtype, block, block_ends)
         return qg_t, sg_t, qa_t, sa_t
     qg_t, sg_t = call_op(quantize_fp8_group_columns_impl, grad_out, group_offs, grad_dtype)
     qa_t, sa_t = call_op(quantize_fp8_group_columns_impl, a, group_offs, fwd_dtype)
@@ -143,14 +146,16 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
                 qb = _contiguous_along(qb, n_axis)
             grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype, block)
         if ctx.needs_input_grad[1]:
-            qg_t, sg_t, qa_t, sa_t = _wgrad_operands(ctx, grad_out, qg_t, sg, grad_dtype, fwd_dtype)
+            # one block layout (group_blocks' running total and first rows) for both quantizers and the GEMM
+            ends, base = group_block_layout(group_offs, block) if block else (None, None)
+            qg_t, sg_t, qa_t, sa_t = _wgrad_operands(ctx, grad_out, qg_t, sg, grad_dtype, fwd_dtype, ends)
             # [G, N, K] = per group dy^T a for the transposed layout, else [G, K, N] = a^T dy
-            operands = (qg_t, sg_t, qa_t, sa_t) if trans_b else (qa_t, sa_t, qg_t, sg_t)
+            operands = (*((qg_t, sg_t, qa_t, sa_t) if trans_b else (qa_t, sa_t, qg_t, sg_t)), group_offs)
             if ctx.accum_pattern == "megatron":
-                call_op(grouped_gemm_fp8_variable_k_accum_impl, *operands, group_offs, b.main_grad, block)
+                call_op(grouped_gemm_fp8_variable_k_accum_impl, *operands, b.main_grad, block, base)
                 grad_b = finish_fused_wgrad(b)
             else:
-                grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, group_offs, b.dtype, block)
+                grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, b.dtype, block, base)
         return grad_a, grad_b, None, None, None, None, None
 
 

@@ -24,6 +24,7 @@ warning) where this one does not compile.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
-from primus_turbo.triton.utils.device_info import num_sms
+from primus_turbo.triton.utils.device_info import is_sm90, num_sms
 
 __all__ = ["BlockSm90Config", "gemm_fp8_block_sm90", "sm90_block_kernel_usable"]
 
@@ -358,11 +359,17 @@ def drop_ring(ready, empty, NUM_STAGES: gl.constexpr):
         mbarrier.invalidate(empty.index(i))
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The default swizzled shared-memory layout of ``block`` tiles, built once per shape and dtype (its
+    construction costs more host time than the descriptor around it)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
 def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A host TMA descriptor of ``t`` (2-D, unit last stride) with ``block`` tiles in the default
     swizzled shared-memory layout."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
 @gluon.jit
@@ -437,11 +444,7 @@ def sm90_block_kernel_usable(
     """Whether this kernel takes the call: an sm_90 CUDA GPU, FP8 operands with unit stride along K and
     16-byte aligned rows, K a multiple of 128, a TMA-storable output, 32-bit scale offsets, and no earlier
     compile failure for these dtypes."""
-    if (
-        not out.is_cuda
-        or torch.version.hip is not None
-        or torch.cuda.get_device_capability(out.device) != (9, 0)
-    ):
+    if not is_sm90(out.device):
         return False
     m, k = a.shape
     if (

@@ -53,7 +53,7 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     tma_descriptor,
 )
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
-from primus_turbo.triton.utils.device_info import num_sms
+from primus_turbo.triton.utils.device_info import is_sm90, num_sms
 
 __all__ = [
     "SCALE_BLOCK",
@@ -346,7 +346,7 @@ def grouped_sm90_usable(a: torch.Tensor, weights: torch.Tensor, out_dtype: torch
     GPU, FP8 operands, weights contiguous (one [G * N, K] descriptor), 16-byte aligned rows of ``a``,
     the weights and the output (K a multiple of 16, N of 8 for bf16), and no earlier compile failure.
     Block scaling also needs K to be a multiple of 128; other scalings take a partial last K-block."""
-    if not a.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(a.device) != (9, 0):
+    if not is_sm90(a.device):
         return False
     k, n = a.shape[1], weights.shape[1]
     if k == 0 or k % 16 or a.dtype not in _GL_DTYPES or weights.dtype not in _GL_DTYPES:
@@ -638,11 +638,7 @@ def _grouped_variable_k_sm90_kernel(
 def grouped_variable_k_sm90_usable(lhs: torch.Tensor, rhs: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the variable-K kernel takes ``lhs`` [T, P] and ``rhs`` [T, Q] (token-major FP8 views:
     their transposes TMA-describable) into ``out`` [G, P, Q] (contiguous)."""
-    if (
-        not lhs.is_cuda
-        or torch.version.hip is not None
-        or torch.cuda.get_device_capability(lhs.device) != (9, 0)
-    ):
+    if not is_sm90(lhs.device):
         return False
     if lhs.dtype not in _GL_DTYPES or rhs.dtype not in _GL_DTYPES or out.dtype not in _GL_DTYPES:
         return False

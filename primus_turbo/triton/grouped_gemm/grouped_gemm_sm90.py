@@ -44,7 +44,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
     _store_tile,
     _variable_k_tile,
 )
-from primus_turbo.triton.utils.device_info import num_sms
+from primus_turbo.triton.utils.device_info import is_sm90, num_sms
 
 __all__ = [
     "Sm90Tiles",
@@ -267,15 +267,11 @@ def _grouped_gemm_sm90_kernel(
     drop_ring(ready, empty, NUM_STAGES)
 
 
-def _arch_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(t.device) == (9, 0)
-
-
 def grouped_sm90_16bit_usable(a: torch.Tensor, b: torch.Tensor, trans_b: bool, tiles: Sm90Tiles) -> bool:
     """Whether ``grouped_gemm_sm90`` takes ``a`` [T, K] and ``b``: an sm_90 GPU, bf16/fp16 operands of one
     dtype, ``b`` contiguous (one 2-D descriptor over all experts), 16-byte aligned rows, and for N-major
     weights K a multiple of BLOCK_K (a K-block must not reach into the next expert's rows)."""
-    if not _arch_ok(a) or a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+    if not is_sm90(a.device) or a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
         return False
     k = a.shape[1]
     n = b.shape[1] if trans_b else b.shape[2]
@@ -488,7 +484,7 @@ def _grouped_variable_k_sm90_kernel(
 def grouped_variable_k_sm90_16bit_usable(lhs: torch.Tensor, rhs: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether ``grouped_gemm_variable_k_sm90`` takes row-major 16-bit ``lhs`` [T, P] and ``rhs`` [T, Q]
     (one dtype, 16-byte aligned rows) into a contiguous ``out`` [G, P, Q] with 16-byte rows."""
-    if not _arch_ok(lhs) or lhs.dtype not in (torch.bfloat16, torch.float16) or rhs.dtype != lhs.dtype:
+    if not is_sm90(lhs.device) or lhs.dtype not in (torch.bfloat16, torch.float16) or rhs.dtype != lhs.dtype:
         return False
     if out.dtype not in _DTYPES or (lhs.dtype, out.dtype, "variable-k") in _failed:
         return False

@@ -60,6 +60,21 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def is_sm90(device: torch.device) -> bool:
+    """An NVIDIA Hopper GPU (compute capability 9.0): the target of the Gluon kernels. Cached per device,
+    since the kernels' eligibility checks ask on every call."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and _cuda_capability(_cuda_index(device)) == (9, 0)
+    )
+
+
+@functools.lru_cache(maxsize=None)
 def _cuda_max_shared_memory(index: int) -> int:
     props = torch.cuda.get_device_properties(index)
     # torch >= 2.5 reports it; older builds get the Hopper figure and rely on Triton's own resource check
@@ -94,5 +109,5 @@ def fp8_cast_saturates(device: torch.device, dtype: torch.dtype) -> bool:
         device.type == "cuda"
         and dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         and torch.version.hip is None
-        and torch.cuda.get_device_capability(device) >= (8, 9)
+        and _cuda_capability(_cuda_index(device)) >= (8, 9)
     )

@@ -268,6 +268,14 @@ def test_blockwise_opcheck_and_compile():
     qr, sr = impl.quantize_fp8_group_blocks_impl(grad, offs, torch.float8_e5m2, BLOCK)
     args = (ql, sl, qr, sr, offs, torch.float32, BLOCK)
     torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_impl, args, test_utils=utils)
+    # the backward's path: the block layout computed once and passed to the quantizers and the GEMM
+    ends, base = impl.group_block_layout(offs, BLOCK)
+    given = impl.quantize_fp8_group_blocks_impl(*quantized, ends)
+    torch.library.opcheck(impl.quantize_fp8_group_blocks_impl, (*quantized, ends), test_utils=utils)
+    assert torch.equal(given[0].view(torch.uint8), ql.view(torch.uint8)) and torch.equal(given[1], sl)
+    torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_impl, (*args, base), test_utils=utils)
+    accum = (ql, sl, qr, sr, offs, torch.zeros(4, ql.shape[1], qr.shape[1], device=DEVICE), BLOCK, base)
+    torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_accum_impl, accum, test_utils=utils)
     config = Float8QuantConfig(format=Format.HYBRID, granularity=G.BLOCKWISE, block_size=BLOCK)
     _assert_compiled_step_matches_eager(a, b, lens, config)
 
@@ -401,7 +409,7 @@ def test_group_quantizer_launch_overrides_give_the_same_bits(quantize, launch):
     if quantize == "columns":
         outputs = [quantize_fp8_group_columns_triton(x, offs, e4m3, c) for c in (None, launch)]
     else:
-        ends = torch.cumsum(impl.group_blocks(offs, 128), 0)
+        ends = impl.group_block_layout(offs, 128)[0]
         count = impl.group_block_count(x.shape[0], lens.numel(), 128)
         outputs = [
             quantize_fp8_group_blocks_triton(x, offs, ends, e4m3, 128, count, c) for c in (None, launch)

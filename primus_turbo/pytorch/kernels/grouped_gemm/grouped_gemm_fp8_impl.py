@@ -65,6 +65,7 @@ _BLOCKWISE = ScalingGranularity.BLOCKWISE.value
 __all__ = [
     "GroupedGemmFp8Dispatcher",
     "group_block_base",
+    "group_block_layout",
     "group_block_count",
     "group_block_rows",
     "group_blocks",
@@ -96,10 +97,17 @@ def group_blocks(group_offs: torch.Tensor, block: int) -> torch.Tensor:
     return torch.where(end > start, touched, 0)
 
 
+def group_block_layout(group_offs: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ends, base)`` [G] each: the running total of ``group_blocks`` and every group's first scale row
+    (no host sync). A backward computes it once for its two quantizers and its wgrad GEMM."""
+    blocks = group_blocks(group_offs, block)
+    ends = torch.cumsum(blocks, 0)
+    return ends, ends - blocks
+
+
 def group_block_base(group_offs: torch.Tensor, block: int) -> torch.Tensor:
     """First scale row of every group [G] (no host sync)."""
-    blocks = group_blocks(group_offs, block)
-    return torch.cumsum(blocks, 0) - blocks
+    return group_block_layout(group_offs, block)[1]
 
 
 def group_block_rows(group_offs: torch.Tensor, tokens: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,18 +282,24 @@ def grouped_gemm_fp8_variable_k_impl(
     group_offs: torch.Tensor,
     out_dtype: torch.dtype,
     block_size: int = 0,
+    block_base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows."""
+    """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows. Under
+    block scaling ``block_base`` (``group_block_layout``'s second tensor) saves recomputing it."""
     if lhs.device.type == "cuda":
-        return _variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size, out_dtype)
+        operands = (lhs, lhs_scale, rhs, rhs_scale, group_offs)
+        return _variable_k_triton(*operands, block_size, block_base, out_dtype)
     return _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size).to(out_dtype)
 
 
-def _variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size: int, out_dtype, out=None):
+def _variable_k_triton(
+    lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size: int, block_base, out_dtype, out=None
+):
     """The Triton variable-K kernel, given each group's first scale row under block scaling."""
-    base = group_block_base(group_offs, block_size) if block_size else None
+    if block_size and block_base is None:
+        block_base = group_block_base(group_offs, block_size)
     operands = (lhs, lhs_scale, rhs, rhs_scale, group_offs)
-    return grouped_gemm_fp8_variable_k_triton(*operands, out_dtype, base, out)
+    return grouped_gemm_fp8_variable_k_triton(*operands, out_dtype, block_base if block_size else None, out)
 
 
 def _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size: int) -> torch.Tensor:
@@ -308,7 +322,9 @@ def _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size
 
 
 @grouped_gemm_fp8_variable_k_impl.register_fake
-def _grouped_gemm_fp8_variable_k_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, block_size=0):
+def _grouped_gemm_fp8_variable_k_fake(
+    lhs, lhs_scale, rhs, rhs_scale, group_offs, out_dtype, block_size=0, block_base=None
+):
     return lhs.new_empty((group_offs.shape[0] - 1, lhs.shape[1], rhs.shape[1]), dtype=out_dtype)
 
 
@@ -321,17 +337,21 @@ def grouped_gemm_fp8_variable_k_accum_impl(
     group_offs: torch.Tensor,
     out: torch.Tensor,
     block_size: int = 0,
+    block_base: torch.Tensor | None = None,
 ) -> None:
     """``out[g] +=`` the variable-K product (fp32 ``main_grad``, the fused wgrad accumulation), inside the
     GEMM's epilogue on GPUs: no [G, P, Q] temporary and no separate add."""
     if lhs.device.type == "cuda" and out.stride(-1) == 1:
-        _variable_k_triton(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size, out.dtype, out)
+        operands = (lhs, lhs_scale, rhs, rhs_scale, group_offs)
+        _variable_k_triton(*operands, block_size, block_base, out.dtype, out)
         return
     out.add_(_variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size))
 
 
 @grouped_gemm_fp8_variable_k_accum_impl.register_fake
-def _grouped_gemm_fp8_variable_k_accum_fake(lhs, lhs_scale, rhs, rhs_scale, group_offs, out, block_size=0):
+def _grouped_gemm_fp8_variable_k_accum_fake(
+    lhs, lhs_scale, rhs, rhs_scale, group_offs, out, block_size=0, block_base=None
+):
     return None
 
 
@@ -398,20 +418,26 @@ def _quantize_fp8_group_columns_fake(x, group_offs, fp8_dtype):
 
 @custom_op("primus_turbo::quantize_fp8_group_blocks", mutates_args=())
 def quantize_fp8_group_blocks_impl(
-    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, block_size: int
+    x: torch.Tensor,
+    group_offs: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    block_size: int,
+    block_ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [T, C], scale_inv [ceil(T / B) + G, C])``: x quantized along its rows in the blocks of
     ``group_blocks`` (``block_size`` tokens aligned in the token dimension, cut at group boundaries), one
     scale per (block, column), with the scale rules of ``quantize_fp8``; unused scale rows hold 1. ``q``
-    is token-major (stored [C, T])."""
+    is token-major (stored [C, T]). ``block_ends`` (``group_block_layout``'s first tensor) saves
+    recomputing it."""
     if triton_runs_on(x.device):
         count = group_block_count(x.shape[0], group_offs.numel() - 1, block_size)
-        block_ends = torch.cumsum(group_blocks(group_offs, block_size), 0)
+        if block_ends is None:
+            block_ends = group_block_layout(group_offs, block_size)[0]
         return quantize_fp8_group_blocks_triton(x, group_offs, block_ends, fp8_dtype, block_size, count)
     return group_blocks_reference(x, group_offs, fp8_dtype, block_size)
 
 
 @quantize_fp8_group_blocks_impl.register_fake
-def _quantize_fp8_group_blocks_fake(x, group_offs, fp8_dtype, block_size):
+def _quantize_fp8_group_blocks_fake(x, group_offs, fp8_dtype, block_size, block_ends=None):
     count = group_block_count(x.shape[0], group_offs.shape[0] - 1, block_size)
     return token_major_empty(x, fp8_dtype), x.new_empty((count, x.shape[1]), dtype=torch.float32)
