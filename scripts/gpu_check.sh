@@ -24,6 +24,7 @@
 #                       GROUPED_FP8, default "tensorwise rowwise blockwise"), and profile one FP8 step
 #                       (GROUPED_PROFILE, G x T x N x K, default DeepSeek-V3 fc1 at EP 8)
 #   GROUP_QUANT=1       time the grouped FP8 wgrad-operand quantizers' launch candidates against a copy
+#   SM90_SWEEP=1        time the Hopper Gluon grouped GEMM kernels' launch candidates against the vendor ops
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -111,6 +112,10 @@ fi
 if [ "${GROUP_QUANT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_group_quant_configs \
     -o "$OUT/group_quant_configs.csv" 2>&1 | tee "$OUT/bench_group_quant_configs.log" || status=1
+fi
+if [ "${SM90_SWEEP:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_sm90_configs \
+    -o "$OUT/grouped_sm90_configs.csv" 2>&1 | tee "$OUT/bench_grouped_sm90_configs.log" || status=1
 fi
 if [ "${ATTN:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_attention_turbo \

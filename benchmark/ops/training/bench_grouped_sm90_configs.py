@@ -1,0 +1,164 @@
+"""Time launch choices of the Hopper Gluon grouped GEMM kernels (forward / dgrad) against the vendor peer.
+
+A tuning aid like ``bench_group_quant_configs``: for expert shapes of DeepSeek-V3, Qwen3-235B-A22B and
+Qwen3-30B-A3B at EP 8 (2048 tokens per expert, balanced and skewed 0.2 + 0.8 * rand routing), every
+``Sm90Tiles`` candidate of the bf16 kernel runs next to ``torch._grouped_mm``, and every
+``BlockSm90Config`` candidate of the tensorwise FP8 kernel next to ``torch._scaled_grouped_mm`` (where the
+installed torch has it), interleaved with CUDA events (L2 flushed). Each candidate's output is checked
+against the peer's. The skewed rows show whether the tile order (``group_m``) or the tile shape is what
+costs the persistent schedule time when group sizes differ.
+
+Example::
+
+    python -m benchmark.ops.training.bench_grouped_sm90_configs -o grouped_sm90_configs.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+from tabulate import tabulate
+
+from benchmark.ops.training.bench_grouped_gemm_turbo import Case, group_lens
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
+
+# (block_n, block_k, num_stages, group_m) of the bf16 kernel; the first is its default
+TILE_CANDIDATES = [(128, 64, 4, 8), (128, 64, 4, 1), (128, 64, 4, 16), (128, 64, 5, 8), (256, 64, 3, 8)]
+# (num_stages, k_unroll, group_m) of the FP8 kernel; the first is its default
+FP8_CANDIDATES = [(4, 8, 8), (4, 8, 1), (4, 8, 4), (4, 8, 16), (5, 8, 8), (3, 8, 8)]
+CASES = [
+    Case("DeepSeek-V3", "fc1", 8, 32, 2048, 4096, 7168, "balanced"),
+    Case("DeepSeek-V3", "fc1", 8, 32, 2048, 4096, 7168, "skewed"),
+    Case("DeepSeek-V3", "fc2", 8, 32, 2048, 7168, 2048, "skewed"),
+    Case("Qwen3-235B-A22B", "fc1", 8, 16, 2048, 3072, 4096, "balanced"),
+    Case("Qwen3-235B-A22B", "fc1", 8, 16, 2048, 3072, 4096, "skewed"),
+    Case("Qwen3-30B-A3B", "fc2", 8, 16, 2048, 2048, 768, "skewed"),
+]
+
+
+def _row(case: Case, kind: str, label: str, ms: float, peer_ms: float, err: float) -> dict:
+    flops = 2 * case.groups * case.tokens * case.n * case.k
+    return {
+        "Model": case.model,
+        "GEMM": case.gemm,
+        "Routing": case.routing,
+        "Kernel": kind,
+        "Config": label,
+        "ms": ms,
+        "TFLOPS": flops / ms / 1e9,
+        "Peer ms": peer_ms,
+        "vs peer": peer_ms / ms,
+        "Rel err": err,
+        "Platform": platform_name("cuda"),
+    }
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bf16_rows(case: Case) -> list[dict]:
+    """Every ``Sm90Tiles`` candidate of the bf16 kernel next to ``torch._grouped_mm``."""
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import Sm90Tiles, grouped_gemm_sm90
+
+    lens = group_lens(case, "cuda")
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    a = torch.randn(case.groups * case.tokens, case.k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(case.groups, case.n, case.k, device="cuda", dtype=torch.bfloat16) * case.k**-0.5
+    ends = offs[1:].to(torch.int32)
+    peer = functools.partial(torch._grouped_mm, a, b.transpose(1, 2), offs=ends)
+    ref = peer()
+    calls, labels, errs = [], [], []
+    for block_n, block_k, stages, group_m in TILE_CANDIDATES:
+        tiles = Sm90Tiles(block_n=block_n, block_k=block_k, num_stages=stages, group_m=group_m)
+        out = torch.empty_like(ref)
+
+        def call(tiles=tiles, out=out) -> None:
+            if not grouped_gemm_sm90(a, b, offs, True, out, tiles):
+                raise RuntimeError("does not compile")
+
+        try:
+            call()
+        except Exception as exc:  # report the candidate and keep sweeping
+            print(f"bf16 {block_n}x{block_k} s{stages} g{group_m}: {type(exc).__name__}: {exc}"[:200])
+            continue
+        calls.append(call)
+        labels.append(f"{block_n}x{block_k} s{stages} g{group_m}")
+        errs.append(_rel_err(out, ref))
+    times = time_interleaved([*calls, peer], None, "cuda")
+    return [
+        _row(case, "bf16", lab, ms, times[-1], e) for lab, ms, e in zip(labels, times, errs, strict=False)
+    ]
+
+
+def fp8_rows(case: Case) -> list[dict]:
+    """Every ``BlockSm90Config`` candidate of the tensorwise FP8 kernel next to ``_scaled_grouped_mm``."""
+    from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import BlockSm90Config
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_gemm_fp8_sm90
+
+    lens = group_lens(case, "cuda")
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(case.groups * case.tokens, case.k, device="cuda").to(e4m3)
+    b = (torch.randn(case.groups, case.n, case.k, device="cuda") * 4).to(e4m3)
+    sa = torch.full((), 0.5, device="cuda")
+    sb = torch.rand(case.groups, device="cuda") + 0.5
+    ends = offs[1:].to(torch.int32)
+    ref = torch._grouped_mm(a.bfloat16(), b.bfloat16().transpose(1, 2), offs=ends) * 0.5
+    ref = ref * torch.repeat_interleave(sb, lens, output_size=a.shape[0])[:, None]
+    peer = None
+    if hasattr(torch, "_scaled_grouped_mm"):
+        sa_rows = torch.full((a.shape[0],), 0.5, device="cuda")
+        sb_rows = sb[:, None].expand(-1, case.n).contiguous()
+        peer = functools.partial(
+            torch._scaled_grouped_mm,
+            a,
+            b.transpose(1, 2),
+            sa_rows,
+            sb_rows,
+            offs=ends,
+            out_dtype=torch.bfloat16,
+        )
+    calls, labels, errs = [], [], []
+    for stages, k_unroll, group_m in FP8_CANDIDATES:
+        config = BlockSm90Config(num_stages=stages, k_unroll=k_unroll, group_m=group_m)
+        out = torch.empty(a.shape[0], case.n, device="cuda", dtype=torch.bfloat16)
+
+        def call(config=config, out=out) -> None:
+            if not grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out, None, config):
+                raise RuntimeError("does not compile")
+
+        try:
+            call()
+        except Exception as exc:  # report the candidate and keep sweeping
+            print(f"fp8 s{stages} u{k_unroll} g{group_m}: {type(exc).__name__}: {exc}"[:200])
+            continue
+        calls.append(call)
+        labels.append(f"s{stages} u{k_unroll} g{group_m}")
+        errs.append(_rel_err(out, ref))
+    times = time_interleaved([*calls, *([peer] if peer else [])], None, "cuda")
+    peer_ms = times[-1] if peer else float("nan")
+    return [_row(case, "fp8", *row, peer_ms, err) for *row, err in zip(labels, times, errs, strict=False)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", default="bf16,fp8")
+    p.add_argument("-o", "--output", default="grouped_sm90_configs.csv")
+    args = p.parse_args()
+    kinds = args.kernels.split(",")
+    rows = []
+    for case in CASES:
+        if "bf16" in kinds:
+            rows += bf16_rows(case)
+        if "fp8" in kinds:
+            rows += fp8_rows(case)
+        torch.cuda.empty_cache()
+    write_csv(args.output, rows)
+    print(tabulate(rows, headers="keys", floatfmt=".3f"))
+
+
+if __name__ == "__main__":
+    main()
