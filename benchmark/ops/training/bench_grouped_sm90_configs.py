@@ -4,7 +4,8 @@ A tuning aid like ``bench_group_quant_configs``: for expert shapes of DeepSeek-V
 Qwen3-30B-A3B at EP 8 (2048 tokens per expert, balanced and skewed 0.2 + 0.8 * rand routing), every
 ``Sm90Tiles`` candidate of the bf16 kernel runs next to ``torch._grouped_mm``, and every
 ``BlockSm90Config`` candidate of the tensorwise FP8 kernel next to ``torch._scaled_grouped_mm`` (where the
-installed torch has it), interleaved with CUDA events (L2 flushed). Each candidate's output is checked
+installed torch has it), and the bf16 variable-K (wgrad) kernel's candidates next to ``torch._grouped_mm``
+over the tokens, interleaved with CUDA events (L2 flushed). Each candidate's output is checked
 against the peer's. The skewed rows show whether the tile order (``group_m``) or the tile shape is what
 costs the persistent schedule time when group sizes differ.
 
@@ -35,6 +36,8 @@ CASES = [
     Case("Qwen3-235B-A22B", "fc1", 8, 16, 2048, 3072, 4096, "balanced"),
     Case("Qwen3-235B-A22B", "fc1", 8, 16, 2048, 3072, 4096, "skewed"),
     Case("Qwen3-30B-A3B", "fc2", 8, 16, 2048, 2048, 768, "skewed"),
+    Case("GPT-OSS-20B", "fc2", 8, 4, 2048, 2880, 2880, "balanced"),
+    Case("GPT-OSS-20B", "fc2", 8, 4, 2048, 2880, 2880, "skewed"),
 ]
 
 
@@ -59,38 +62,77 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bf16_rows(case: Case) -> list[dict]:
-    """Every ``Sm90Tiles`` candidate of the bf16 kernel next to ``torch._grouped_mm``."""
-    from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import Sm90Tiles, grouped_gemm_sm90
-
-    lens = group_lens(case, "cuda")
-    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    a = torch.randn(case.groups * case.tokens, case.k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(case.groups, case.n, case.k, device="cuda", dtype=torch.bfloat16) * case.k**-0.5
-    ends = offs[1:].to(torch.int32)
-    peer = functools.partial(torch._grouped_mm, a, b.transpose(1, 2), offs=ends)
-    ref = peer()
+def _sweep(case: Case, kind: str, candidates: dict, launch, peer, ref: torch.Tensor) -> list[dict]:
+    """Time ``launch(config, out)`` for every ``{label: config}`` candidate next to ``peer`` (None: no
+    peer), after checking each output against ``ref``. ``launch`` returns False where the kernel does
+    not compile; such candidates (and ones that fail at launch) are reported and skipped."""
     calls, labels, errs = [], [], []
-    for block_n, block_k, stages, group_m in TILE_CANDIDATES:
-        tiles = Sm90Tiles(block_n=block_n, block_k=block_k, num_stages=stages, group_m=group_m)
+    for label, config in candidates.items():
         out = torch.empty_like(ref)
 
-        def call(tiles=tiles, out=out) -> None:
-            if not grouped_gemm_sm90(a, b, offs, True, out, tiles):
+        def call(config=config, out=out) -> None:
+            if not launch(config, out):
                 raise RuntimeError("does not compile")
 
         try:
             call()
         except Exception as exc:  # report the candidate and keep sweeping
-            print(f"bf16 {block_n}x{block_k} s{stages} g{group_m}: {type(exc).__name__}: {exc}"[:200])
+            print(f"{kind} {label}: {type(exc).__name__}: {exc}"[:200])
             continue
         calls.append(call)
-        labels.append(f"{block_n}x{block_k} s{stages} g{group_m}")
+        labels.append(label)
         errs.append(_rel_err(out, ref))
-    times = time_interleaved([*calls, peer], None, "cuda")
-    return [
-        _row(case, "bf16", lab, ms, times[-1], e) for lab, ms, e in zip(labels, times, errs, strict=False)
-    ]
+    times = time_interleaved([*calls, *([peer] if peer else [])], None, "cuda")
+    peer_ms = times[-1] if peer else float("nan")
+    return [_row(case, kind, *row, peer_ms, err) for *row, err in zip(labels, times, errs, strict=False)]
+
+
+def _tiles() -> dict:
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import Sm90Tiles
+
+    return {
+        f"{n}x{k} s{stages} g{group_m}": Sm90Tiles(block_n=n, block_k=k, num_stages=stages, group_m=group_m)
+        for n, k, stages, group_m in TILE_CANDIDATES
+    }
+
+
+def _offsets(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group_lens, int64 offsets [G + 1], int32 end rows [G]) of the case's routing."""
+    lens = group_lens(case, "cuda")
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    return lens, offs, offs[1:].to(torch.int32)
+
+
+def bf16_rows(case: Case) -> list[dict]:
+    """Every ``Sm90Tiles`` candidate of the bf16 forward kernel next to ``torch._grouped_mm``."""
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_sm90
+
+    _, offs, ends = _offsets(case)
+    a = torch.randn(case.groups * case.tokens, case.k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(case.groups, case.n, case.k, device="cuda", dtype=torch.bfloat16) * case.k**-0.5
+    peer = functools.partial(torch._grouped_mm, a, b.transpose(1, 2), offs=ends)
+
+    def launch(tiles, out) -> bool:
+        return grouped_gemm_sm90(a, b, offs, True, out, tiles)
+
+    return _sweep(case, "bf16", _tiles(), launch, peer, peer())
+
+
+def wgrad_rows(case: Case) -> list[dict]:
+    """Every ``Sm90Tiles`` candidate of the bf16 variable-K kernel next to ``torch._grouped_mm``: the
+    weight gradient [G, N, K] of the case's forward."""
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_variable_k_sm90
+
+    _, offs, ends = _offsets(case)
+    tokens = case.groups * case.tokens
+    grad = torch.randn(tokens, case.n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(tokens, case.k, device="cuda", dtype=torch.bfloat16)
+    peer = functools.partial(torch._grouped_mm, grad.t(), a, offs=ends)
+
+    def launch(tiles, out) -> bool:
+        return grouped_gemm_variable_k_sm90(grad, a, offs, out, False, tiles)
+
+    return _sweep(case, "bf16 wgrad", _tiles(), launch, peer, peer())
 
 
 def fp8_rows(case: Case) -> list[dict]:
@@ -98,54 +140,36 @@ def fp8_rows(case: Case) -> list[dict]:
     from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import BlockSm90Config
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_gemm_fp8_sm90
 
-    lens = group_lens(case, "cuda")
-    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    lens, offs, ends = _offsets(case)
     e4m3 = torch.float8_e4m3fn
     a = torch.randn(case.groups * case.tokens, case.k, device="cuda").to(e4m3)
     b = (torch.randn(case.groups, case.n, case.k, device="cuda") * 4).to(e4m3)
     sa = torch.full((), 0.5, device="cuda")
     sb = torch.rand(case.groups, device="cuda") + 0.5
-    ends = offs[1:].to(torch.int32)
     ref = torch._grouped_mm(a.bfloat16(), b.bfloat16().transpose(1, 2), offs=ends) * 0.5
     ref = ref * torch.repeat_interleave(sb, lens, output_size=a.shape[0])[:, None]
     peer = None
     if hasattr(torch, "_scaled_grouped_mm"):
-        sa_rows = torch.full((a.shape[0],), 0.5, device="cuda")
-        sb_rows = sb[:, None].expand(-1, case.n).contiguous()
-        peer = functools.partial(
-            torch._scaled_grouped_mm,
-            a,
-            b.transpose(1, 2),
-            sa_rows,
-            sb_rows,
-            offs=ends,
-            out_dtype=torch.bfloat16,
+        scale_a = sa.expand(a.shape[0]).contiguous()
+        scale_b = sb[:, None].expand(-1, case.n).contiguous()
+        operands = (a, b.transpose(1, 2), scale_a, scale_b)
+        peer = functools.partial(torch._scaled_grouped_mm, *operands, offs=ends, out_dtype=torch.bfloat16)
+    candidates = {
+        f"s{stages} u{k_unroll} g{group_m}": BlockSm90Config(
+            num_stages=stages, k_unroll=k_unroll, group_m=group_m
         )
-    calls, labels, errs = [], [], []
-    for stages, k_unroll, group_m in FP8_CANDIDATES:
-        config = BlockSm90Config(num_stages=stages, k_unroll=k_unroll, group_m=group_m)
-        out = torch.empty(a.shape[0], case.n, device="cuda", dtype=torch.bfloat16)
+        for stages, k_unroll, group_m in FP8_CANDIDATES
+    }
 
-        def call(config=config, out=out) -> None:
-            if not grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out, None, config):
-                raise RuntimeError("does not compile")
+    def launch(config, out) -> bool:
+        return grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out, None, config)
 
-        try:
-            call()
-        except Exception as exc:  # report the candidate and keep sweeping
-            print(f"fp8 s{stages} u{k_unroll} g{group_m}: {type(exc).__name__}: {exc}"[:200])
-            continue
-        calls.append(call)
-        labels.append(f"s{stages} u{k_unroll} g{group_m}")
-        errs.append(_rel_err(out, ref))
-    times = time_interleaved([*calls, *([peer] if peer else [])], None, "cuda")
-    peer_ms = times[-1] if peer else float("nan")
-    return [_row(case, "fp8", *row, peer_ms, err) for *row, err in zip(labels, times, errs, strict=False)]
+    return _sweep(case, "fp8", candidates, launch, peer, ref.bfloat16())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", default="bf16,fp8")
+    p.add_argument("--kernels", default="bf16,wgrad,fp8")
     p.add_argument("-o", "--output", default="grouped_sm90_configs.csv")
     args = p.parse_args()
     kinds = args.kernels.split(",")
@@ -153,6 +177,8 @@ def main() -> None:
     for case in CASES:
         if "bf16" in kinds:
             rows += bf16_rows(case)
+        if "wgrad" in kinds:
+            rows += wgrad_rows(case)
         if "fp8" in kinds:
             rows += fp8_rows(case)
         torch.cuda.empty_cache()
