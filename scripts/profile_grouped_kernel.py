@@ -1,0 +1,73 @@
+"""Launch the Hopper Gluon grouped forward kernel (bf16 or tensorwise FP8) and its vendor peer once per
+routing, between ``cudaProfilerStart`` / ``cudaProfilerStop``, for Nsight Compute to compare what the
+hardware does under balanced and skewed group sizes::
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats \\
+        python scripts/profile_grouped_kernel.py --kernel fp8 --shape 32x2048x4096x7168
+
+Every kernel runs once beforehand (compilation, autotuning) outside the profiled range.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmark.ops.training.bench_grouped_gemm_turbo import Case, group_lens
+
+
+def launches(kind: str, case: Case) -> list:
+    """(ours, peer) callables of one case's forward."""
+    lens = group_lens(case, "cuda")
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    ends = offs[1:].to(torch.int32)
+    tokens = case.groups * case.tokens
+    if kind == "bf16":
+        from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_sm90
+
+        a = torch.randn(tokens, case.k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(case.groups, case.n, case.k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(tokens, case.n, device="cuda", dtype=torch.bfloat16)
+        return [
+            lambda: grouped_gemm_sm90(a, b, offs, True, out),
+            lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=ends),
+        ]
+    from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_gemm_fp8_sm90
+
+    a = torch.randn(tokens, case.k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(case.groups, case.n, case.k, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones((), device="cuda"), torch.ones(case.groups, device="cuda")
+    out = torch.empty(tokens, case.n, device="cuda", dtype=torch.bfloat16)
+    scale_a, scale_b = torch.ones(tokens, device="cuda"), torch.ones(case.groups, case.n, device="cuda")
+    return [
+        lambda: grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out),
+        lambda: torch._scaled_grouped_mm(
+            a, b.transpose(1, 2), scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16
+        ),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=("bf16", "fp8"), default="fp8")
+    p.add_argument("--shape", default="32x2048x4096x7168", help="G x T x N x K (T tokens per expert)")
+    p.add_argument("--routings", default="balanced,skewed")
+    args = p.parse_args()
+    g, t, n, k = (int(v) for v in args.shape.split("x"))
+    calls = []
+    for routing in args.routings.split(","):
+        calls += launches(args.kernel, Case("profile", "fc", 0, g, t, n, k, routing))
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
