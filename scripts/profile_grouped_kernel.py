@@ -18,9 +18,13 @@ import torch
 from benchmark.ops.training.bench_grouped_gemm_turbo import Case, group_lens
 
 
-def launches(kind: str, case: Case) -> list:
-    """(ours, peer) callables of one case's forward."""
+def launches(kind: str, case: Case, align: int = 1) -> list:
+    """(ours, peer) callables of one case's forward; ``align`` rounds every group size but the last down
+    to a multiple of it (the last takes the rest), to tell group sizes from group alignment."""
     lens = group_lens(case, "cuda")
+    if align > 1:
+        lens[:-1] = lens[:-1] // align * align
+        lens[-1] = case.groups * case.tokens - lens[:-1].sum()
     offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     ends = offs[1:].to(torch.int32)
     tokens = case.groups * case.tokens
@@ -54,11 +58,12 @@ def main() -> None:
     p.add_argument("--kernel", choices=("bf16", "fp8"), default="fp8")
     p.add_argument("--shape", default="32x2048x4096x7168", help="G x T x N x K (T tokens per expert)")
     p.add_argument("--routings", default="balanced,skewed")
+    p.add_argument("--align", type=int, default=1, help="round group sizes to multiples of this")
     args = p.parse_args()
     g, t, n, k = (int(v) for v in args.shape.split("x"))
     calls = []
     for routing in args.routings.split(","):
-        calls += launches(args.kernel, Case("profile", "fc", 0, g, t, n, k, routing))
+        calls += launches(args.kernel, Case("profile", "fc", 0, g, t, n, k, routing), args.align)
     for call in calls:
         call()
     torch.cuda.synchronize()
