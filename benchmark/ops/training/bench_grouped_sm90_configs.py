@@ -62,12 +62,14 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def _sweep(case: Case, kind: str, candidates: dict, launch, peer, ref: torch.Tensor) -> list[dict]:
-    """Time ``launch(config, out)`` for every ``{label: config}`` candidate next to ``peer`` (None: no
-    peer), after checking each output against ``ref``. ``launch`` returns False where the kernel does
-    not compile; such candidates (and ones that fail at launch) are reported and skipped."""
+def _sweep(
+    case: Case, kind: str, candidates: dict, launch, peer, ref: torch.Tensor, limit: int
+) -> list[dict]:
+    """Time ``launch(config, out)`` for the first ``limit`` (0: every) ``{label: config}`` candidate next to
+    ``peer`` (None: no peer), after checking each output against ``ref``. ``launch`` returns False where
+    the kernel does not compile; such candidates (and ones that fail at launch) are reported and skipped."""
     calls, labels, errs = [], [], []
-    for label, config in candidates.items():
+    for label, config in list(candidates.items())[: limit or None]:
         out = torch.empty_like(ref)
 
         def call(config=config, out=out) -> None:
@@ -103,7 +105,7 @@ def _offsets(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lens, offs, offs[1:].to(torch.int32)
 
 
-def bf16_rows(case: Case) -> list[dict]:
+def bf16_rows(case: Case, limit: int = 0) -> list[dict]:
     """Every ``Sm90Tiles`` candidate of the bf16 forward kernel next to ``torch._grouped_mm``."""
     from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_sm90
 
@@ -115,10 +117,10 @@ def bf16_rows(case: Case) -> list[dict]:
     def launch(tiles, out) -> bool:
         return grouped_gemm_sm90(a, b, offs, True, out, tiles)
 
-    return _sweep(case, "bf16", _tiles(), launch, peer, peer())
+    return _sweep(case, "bf16", _tiles(), launch, peer, peer(), limit)
 
 
-def wgrad_rows(case: Case) -> list[dict]:
+def wgrad_rows(case: Case, limit: int = 0) -> list[dict]:
     """Every ``Sm90Tiles`` candidate of the bf16 variable-K kernel next to ``torch._grouped_mm``: the
     weight gradient [G, N, K] of the case's forward."""
     from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_variable_k_sm90
@@ -132,10 +134,10 @@ def wgrad_rows(case: Case) -> list[dict]:
     def launch(tiles, out) -> bool:
         return grouped_gemm_variable_k_sm90(grad, a, offs, out, False, tiles)
 
-    return _sweep(case, "bf16 wgrad", _tiles(), launch, peer, peer())
+    return _sweep(case, "bf16 wgrad", _tiles(), launch, peer, peer(), limit)
 
 
-def fp8_rows(case: Case) -> list[dict]:
+def fp8_rows(case: Case, limit: int = 0) -> list[dict]:
     """Every ``BlockSm90Config`` candidate of the tensorwise FP8 kernel next to ``_scaled_grouped_mm``."""
     from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import BlockSm90Config
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_gemm_fp8_sm90
@@ -164,23 +166,24 @@ def fp8_rows(case: Case) -> list[dict]:
     def launch(config, out) -> bool:
         return grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out, None, config)
 
-    return _sweep(case, "fp8", candidates, launch, peer, ref.bfloat16())
+    return _sweep(case, "fp8", candidates, launch, peer, ref.bfloat16(), limit)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", default="bf16,wgrad,fp8")
+    p.add_argument("--candidates", type=int, default=0, help="time only the first N candidates (1: defaults)")
     p.add_argument("-o", "--output", default="grouped_sm90_configs.csv")
     args = p.parse_args()
     kinds = args.kernels.split(",")
     rows = []
     for case in CASES:
         if "bf16" in kinds:
-            rows += bf16_rows(case)
+            rows += bf16_rows(case, args.candidates)
         if "wgrad" in kinds:
-            rows += wgrad_rows(case)
+            rows += wgrad_rows(case, args.candidates)
         if "fp8" in kinds:
-            rows += fp8_rows(case)
+            rows += fp8_rows(case, args.candidates)
         torch.cuda.empty_cache()
     write_csv(args.output, rows)
     print(tabulate(rows, headers="keys", floatfmt=".3f"))
