@@ -188,27 +188,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _even_band_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """``_tile_coords`` with the row tiles split into ceil(num_pid_m / GROUP_M) bands of even height (the
-    first ``num_pid_m % bands`` one row taller) instead of full bands and a short last one. A grouped
-    GEMM walks one such band set per group: short bands, one per group under uneven routing, reread a
-    weight's columns for few rows and halved the L2 hit rate of the grouped kernels (Nsight Compute,
-    DeepSeek-V3 fc1 on an H200: 76% with whole bands, 47% with short ones)."""
-    bands = (num_pid_m + GROUP_M - 1) // GROUP_M
-    base = num_pid_m // bands
-    extra = num_pid_m - base * bands
-    # the tile's band: a tall one while the id is below extra * (base + 1) * num_pid_n, else a short one
-    split = extra * (base + 1) * num_pid_n
-    tall = (tile_id < split).to(tl.int32)
-    offset = tile_id - split * (1 - tall)
-    height = base + tall
-    band = offset // (height * num_pid_n) + extra * (1 - tall)
-    local = offset - (band - extra * (1 - tall)) * (height * num_pid_n)
-    first_m = band * base + min(band, extra)
-    return first_m + local % height, local // height
-
-
-@triton.jit
 def _store_tile(c_desc, acc, off_m, off_n, ACCUMULATE: tl.constexpr):
     if ACCUMULATE:
         acc += c_desc.load([off_m, off_n]).to(tl.float32)

@@ -52,7 +52,7 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     stage_ring,
     tma_descriptor,
 )
-from primus_turbo.triton.gemm.gemm_kernel import _even_band_coords, _tile_coords
+from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import is_sm90, num_sms
 
 __all__ = [
@@ -166,7 +166,7 @@ def _grouped_consumer(
             offs_ptr, g, tiles_before, num_pid_n, BLOCK_M
         )
         for t in range(first, group_tiles, num_progs):
-            pid_m, pid_n = _even_band_coords(t, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
             row0 = start + pid_m * BLOCK_M
             offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
             m_mask = offs_m < end
@@ -244,7 +244,7 @@ def _grouped_producer(
             offs_ptr, g, tiles_before, num_pid_n, BLOCK_M
         )
         for t in range(first, group_tiles, num_progs):
-            pid_m, pid_n = _even_band_coords(t, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
             row0 = start + pid_m * BLOCK_M
             b_row = g * N + pid_n * BLOCK_N
             for kb in range(k_tiles):

@@ -37,7 +37,7 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
     stage_ring,
     tma_descriptor,
 )
-from primus_turbo.triton.gemm.gemm_kernel import _even_band_coords
+from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
     _aligned,
     _group_bounds,
@@ -144,7 +144,7 @@ def _gemm_consumer(
             offs_ptr, g, tiles_before, num_pid_n, BLOCK_M
         )
         for t in range(first, group_tiles, num_progs):
-            pid_m, pid_n = _even_band_coords(t, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
             row0 = start + pid_m * BLOCK_M
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
             for kb in range(k_tiles):
@@ -198,7 +198,7 @@ def _gemm_producer(
             offs_ptr, g, tiles_before, num_pid_n, BLOCK_M
         )
         for t in range(first, group_tiles, num_progs):
-            pid_m, pid_n = _even_band_coords(t, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
             row0 = start + pid_m * BLOCK_M
             for kb in range(k_tiles):
                 if B_KMAJOR:  # [G * N, K]
