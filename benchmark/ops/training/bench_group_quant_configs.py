@@ -22,9 +22,9 @@ from tabulate import tabulate
 from benchmark.ops.training.bench_utils import copy_ms, platform_name, time_interleaved, write_csv
 
 # (columns per program, rows per step, warps)
-COLUMN_CANDIDATES = [None, (128, 64, 8), (64, 64, 4), (32, 64, 4), (32, 256, 4), (16, 128, 4), (32, 128, 2)]
+COLUMN_CANDIDATES = [None, (128, 64, 8), (16, 128, 4), (16, 256, 4), (32, 128, 8), (16, 64, 2)]
 # (columns per program, warps)
-BLOCK_CANDIDATES = [None, (128, 8), (128, 4), (64, 8), (32, 4), (64, 2), (32, 2)]
+BLOCK_CANDIDATES = [None, (128, 8), (64, 4), (16, 4), (32, 8), (32, 2)]
 # groups x tokens per group, columns: DeepSeek-V3 and Qwen3-30B-A3B experts at EP 8
 SHAPES = [(32, 2048, 7168), (32, 2048, 4096), (16, 2048, 2048), (16, 2048, 768)]
 TINY = [(3, 40, 256)]

@@ -32,11 +32,12 @@ __all__ = [
     "token_major_empty",
 ]
 
-# Launches measured fastest on an H200 (bench_group_quant_configs.py, 2026-12-01): narrow column blocks
-# give more programs, hence more loads in flight, than the 128-column, 8-warp launch they replace
-# (group columns 1.9x-2.2x, group blocks 1.3x-1.6x faster at the DeepSeek-V3 / Qwen3-30B-A3B shapes).
+# Launches measured fastest on an H200 (bench_group_quant_configs.py, 2026-12-01, every candidate at the
+# DeepSeek-V3 and Qwen3-30B-A3B shapes): narrow column blocks give more programs, hence more loads in
+# flight, than the 128-column, 8-warp launch they replace (group columns 2.0x-2.2x, group blocks
+# 1.7x-2.0x faster).
 _COLUMN_LAUNCH = (32, 128, 4)  # (columns per program, rows per step of the walk over a group, warps)
-_BLOCK_LAUNCH = (64, 4)  # (columns per program, warps)
+_BLOCK_LAUNCH = (32, 4)  # (columns per program, warps)
 
 
 @triton.jit

@@ -392,7 +392,7 @@ def test_cuda_graph_capture_and_replay(granularity):
 
 @pytest.mark.parametrize(
     "quantize,launch",
-    [("columns", (128, 64, 8)), ("columns", (16, 128, 4)), ("blocks", (128, 8)), ("blocks", (32, 4))],
+    [("columns", (128, 64, 8)), ("columns", (16, 128, 4)), ("blocks", (128, 8)), ("blocks", (64, 4))],
     ids=str,
 )
 def test_group_quantizer_launch_overrides_give_the_same_bits(quantize, launch):
