@@ -7,6 +7,9 @@ compiles each one to PTX. It prints one line per kernel and config and exits 1 i
 
     python scripts/compile_check.py            # every kernel, every CUDA config
     python scripts/compile_check.py --quick    # the first config of each kernel (CI)
+    python scripts/compile_check.py --quick --sass-dir before/   # also write each kernel's SASS
+
+Diffing two ``--sass-dir`` folders tells whether a refactor changed the machine code at all.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 _requests: list[tuple] = []
+_sass_dir: list[str] = []  # set by --sass-dir
 
 
 class _Sm90Driver:
@@ -59,8 +63,8 @@ def _capture(self, key, signature, device, constexprs, options, attrs, warmup):
     _requests.append((self, signature, constexprs, options, attrs))
 
 
-def _resources(kernel) -> str:
-    """``, N registers, S B spilled`` from the cubin's resource usage (cuobjdump), or "" without it."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """cuobjdump's ``flag`` output for the kernel's cubin, or "" without cuobjdump."""
     cubin = kernel.asm.get("cubin")
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not cubin or not os.path.exists(cuobjdump):
@@ -68,9 +72,22 @@ def _resources(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True)
-    regs = re.search(r"REG:(\d+)", usage.stdout)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
+        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
+
+
+def _write_sass(label: str, kernel) -> None:
+    """The kernel's SASS into the --sass-dir folder, one file per label (kernel names stripped)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
+    sass = _cuobjdump(kernel, "--dump-sass")
+    with open(os.path.join(_sass_dir[0], f"{name}.sass"), "a") as f:
+        f.write(re.sub(r"Function : \S+", "Function", sass))
+
+
+def _resources(kernel) -> str:
+    """``, N registers, S B spilled`` from the cubin's resource usage (cuobjdump), or "" without it."""
+    usage = _cuobjdump(kernel, "--dump-resource-usage")
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
     if regs is None:
         return ""
     return f", {regs.group(1)} registers, {stack.group(1) if stack else '?'} B stack"
@@ -86,6 +103,8 @@ def _compile_requests(label: str) -> bool:
                 source(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__
             )
             print(f"[OK]   {label}: shared memory {kernel.metadata.shared} B{_resources(kernel)}", flush=True)
+            if _sass_dir:
+                _write_sass(label, kernel)
         except Exception as exc:  # report every failure, keep going
             ok = False
             print(
@@ -105,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
+    parser.add_argument("--sass-dir", default="", help="also write each kernel's SASS into this folder")
     args = parser.parse_args(argv)
+    if args.sass_dir:
+        os.makedirs(args.sass_dir, exist_ok=True)
+        _sass_dir.append(args.sass_dir)
     driver.set_active(_Sm90Driver())
     JITFunction._do_compile = _capture
 

@@ -553,11 +553,19 @@ def _variable_k_producer(
     Q,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    TOKENS_FIRST: gl.constexpr,
 ):
-    """The worker partition: TMA loads of every (tile, token block) of this program."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    """The worker partition of the variable-K kernels: TMA loads of every (tile, token block) of this
+    program, in [columns, tokens] boxes of token-major operands, or with TOKENS_FIRST in [tokens,
+    columns] boxes of row-major ones."""
+    if TOKENS_FIRST:
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    else:
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     num_pid_m = gl.cdiv(P, BLOCK_M)
     num_pid_n = gl.cdiv(Q, BLOCK_N)
     tiles_per_group = num_pid_m * num_pid_n
@@ -568,10 +576,16 @@ def _variable_k_producer(
         )
         for i in range(blocks):
             t0 = first + i * BLOCK_K
-            prod = load_stage(
-                a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod,
-                pid_m * BLOCK_M, t0, pid_n * BLOCK_N, t0, NUM_STAGES,
-            )  # fmt: skip
+            if TOKENS_FIRST:
+                prod = load_stage(
+                    a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod,
+                    t0, pid_m * BLOCK_M, t0, pid_n * BLOCK_N, NUM_STAGES,
+                )  # fmt: skip
+            else:
+                prod = load_stage(
+                    a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod,
+                    pid_m * BLOCK_M, t0, pid_n * BLOCK_N, t0, NUM_STAGES,
+                )  # fmt: skip
 
 
 @gluon.jit
@@ -626,7 +640,7 @@ def _grouped_variable_k_sm90_kernel(
             ),
             (
                 _variable_k_producer,
-                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES),
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES, False),
             ),
         ],
         [1],

@@ -42,6 +42,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
     _aligned,
     _group_bounds,
     _store_tile,
+    _variable_k_producer,
     _variable_k_tile,
 )
 from primus_turbo.triton.utils.device_info import is_sm90, num_sms
@@ -410,41 +411,6 @@ def _variable_k_consumer(
 
 
 @gluon.jit
-def _variable_k_producer(
-    a_desc,
-    b_desc,
-    a_bufs,
-    b_bufs,
-    ready,
-    empty,
-    offs_ptr,
-    G,
-    P,
-    Q,
-    GROUP_M: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-):
-    """The worker partition of ``grouped_gemm_variable_k_sm90``: [tokens, columns] TMA loads."""
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    num_pid_m = gl.cdiv(P, BLOCK_M)
-    num_pid_n = gl.cdiv(Q, BLOCK_N)
-    tiles_per_group = num_pid_m * num_pid_n
-    prod = gl.to_tensor(0)
-    for tile in range(gl.program_id(0), G * tiles_per_group, gl.num_programs(0)):
-        g, pid_m, pid_n, start, end, first, blocks = _variable_k_tile(
-            tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
-        )
-        for i in range(blocks):
-            t0 = first + i * BLOCK_K
-            prod = load_stage(
-                a_desc, b_desc, a_bufs, b_bufs, ready, empty, prod, t0, pid_m * BLOCK_M, t0, pid_n * BLOCK_N,
-                NUM_STAGES,
-            )  # fmt: skip
-
-
-@gluon.jit
 def _grouped_variable_k_sm90_kernel(
     a_desc,
     b_desc,
@@ -486,7 +452,7 @@ def _grouped_variable_k_sm90_kernel(
             ),
             (
                 _variable_k_producer,
-                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES),
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES, True),
             ),
         ],
         [1],
