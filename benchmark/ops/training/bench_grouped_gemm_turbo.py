@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
 from benchmark.ops.training.config import MOE_MODELS, MoEModelConfig
 
 LOG = logging.getLogger("bench_grouped_gemm_turbo")
@@ -80,17 +80,18 @@ def group_lens(case: Case, device: str) -> torch.Tensor:
 
 
 def time_fwd_bwd(
-    fns: dict[str, Callable], a: torch.Tensor, b: torch.Tensor, device: str
+    fns: dict[str, Callable], a: torch.Tensor, b: torch.Tensor, device: str, graph: bool = False
 ) -> dict[str, tuple[float, float]]:
     """(forward ms, backward ms) of each ``fn(a, b)``, the functions interleaved call by call; every
-    backward gets the same output gradient."""
+    backward gets the same output gradient. ``graph`` times CUDA-graph replays (device time only)."""
     names = list(fns)
-    with torch.no_grad():
-        fwd = time_interleaved([functools.partial(fns[n], a, b) for n in names], None, device)
-    outs = [fns[n](a, b) for n in names]
-    grad = torch.randn_like(outs[0])
-    backwards = [functools.partial(out.backward, grad, retain_graph=True) for out in outs]
-    bwd = time_interleaved(backwards, [a, b], device)
+    with timing_stream(graph):
+        with torch.no_grad():
+            fwd = time_interleaved([functools.partial(fns[n], a, b) for n in names], None, device, graph)
+        outs = [fns[n](a, b) for n in names]
+        grad = torch.randn_like(outs[0])
+        backwards = [functools.partial(out.backward, grad, retain_graph=True) for out in outs]
+        bwd = time_interleaved(backwards, [a, b], device, graph)
     a.grad = b.grad = None
     return {name: (f, bw) for name, f, bw in zip(names, fwd, bwd, strict=True)}
 
@@ -107,6 +108,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=("tensorwise", "rowwise", "blockwise"),
         default="tensorwise",
         help="FP8 scaling with --dtype fp8 (rows from bench_grouped_gemm_fp8.py)",
+    )
+    p.add_argument(
+        "--timer",
+        choices=("events", "graph"),
+        default="events",
+        help="events: eager calls with an L2 flush each (host cost included where it exceeds the flush); "
+        "graph: CUDA-graph replays (device time only)",
     )
     p.add_argument("-o", "--output", default="bench_grouped_gemm.csv")
     args = p.parse_args(argv)
@@ -154,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                 row["Selected"] = GroupedGemmDispatcher.last_selected().name
                 err = ((out.float() - reference).norm() / reference.norm()).item()
                 row["Check"] = "PASS" if err < 1e-2 else f"FAIL {err:.1e}"
-                times = time_fwd_bwd({"turbo": turbo, "peer": peer, "loop": loop}, a, b, args.device)
+                fns = {"turbo": turbo, "peer": peer, "loop": loop}
+                times = time_fwd_bwd(fns, a, b, args.device, args.device == "cuda" and args.timer == "graph")
                 for key, (fwd_ms, bwd_ms) in times.items():
                     row[f"{key} fwd ms"], row[f"{key} bwd ms"] = fwd_ms, bwd_ms
                 row["Fwd TFLOPS"] = flops / row["turbo fwd ms"] / 1e9
