@@ -10,7 +10,7 @@
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
-#   TIMER=graph         time the GEMM benchmarks from CUDA-graph replays (device time only)
+#   TIMER=graph         time the GEMM and grouped GEMM benchmarks from CUDA-graph replays (device time only)
 #   FP8=1               also run the FP8 GEMM benchmark for every granularity and the MXFP4 one
 #                       (FP8_SHAPES, default lowp)
 #   FP8_SWEEP=blockwise time every FP8 GEMM kernel config (tensorwise|rowwise|blockwise; blockwise adds the
@@ -132,12 +132,12 @@ if [ "${MOE:-0}" = 1 ]; then
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
-    --shapes "${GROUPED_SHAPES:-quick}" -o "$OUT/grouped_gemm.csv" 2>&1 \
+    --shapes "${GROUPED_SHAPES:-quick}" --timer "${TIMER:-events}" -o "$OUT/grouped_gemm.csv" 2>&1 \
     | tee "$OUT/bench_grouped_gemm.log" || status=1
   for granularity in ${GROUPED_FP8:-tensorwise rowwise blockwise}; do
     timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \
       --dtype fp8 --granularity "$granularity" --backends TRITON,DEFAULT --shapes "${GROUPED_SHAPES:-quick}" \
-      -o "$OUT/grouped_gemm_fp8_${granularity}.csv" 2>&1 | tee "$OUT/bench_grouped_gemm_fp8_${granularity}.log" \
+      --timer "${TIMER:-events}" -o "$OUT/grouped_gemm_fp8_${granularity}.csv" 2>&1 | tee "$OUT/bench_grouped_gemm_fp8_${granularity}.log" \
       || status=1
   done
   PYTHONPATH=. timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_PROFILE:-32x2048x4096x7168}" \
