@@ -4,7 +4,7 @@ hardware does under balanced and skewed group sizes::
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats \\
-        python scripts/profile_grouped_kernel.py --kernel fp8 --shape 32x2048x4096x7168
+        python scripts/profile_grouped_kernel.py --kernel fp8 --shape 32x2048x4096x7168 --lens 1024,3072
 
 Every kernel runs once beforehand (compilation, autotuning) outside the profiled range.
 """
@@ -18,16 +18,12 @@ import torch
 from benchmark.ops.training.bench_grouped_gemm_turbo import Case, group_lens
 
 
-def launches(kind: str, case: Case, align: int = 1) -> list:
-    """(ours, peer) callables of one case's forward; ``align`` rounds every group size but the last down
-    to a multiple of it (the last takes the rest), to tell group sizes from group alignment."""
-    lens = group_lens(case, "cuda")
-    if align > 1:
-        lens[:-1] = lens[:-1] // align * align
-        lens[-1] = case.groups * case.tokens - lens[:-1].sum()
+def launches(kind: str, case: Case, lens: torch.Tensor | None = None) -> list:
+    """(ours, peer) callables of one case's forward, with the case's routing or the group sizes ``lens``."""
+    lens = group_lens(case, "cuda") if lens is None else lens
     offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     ends = offs[1:].to(torch.int32)
-    tokens = case.groups * case.tokens
+    tokens = int(lens.sum())
     if kind == "bf16":
         from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_sm90
 
@@ -58,12 +54,21 @@ def main() -> None:
     p.add_argument("--kernel", choices=("bf16", "fp8"), default="fp8")
     p.add_argument("--shape", default="32x2048x4096x7168", help="G x T x N x K (T tokens per expert)")
     p.add_argument("--routings", default="balanced,skewed")
-    p.add_argument("--align", type=int, default=1, help="round group sizes to multiples of this")
+    p.add_argument(
+        "--lens",
+        default="",
+        help="also launch with these group sizes, cycled over the experts (e.g. 1024,3072: two sizes "
+        "alternating, to tell uneven sizes from the skewed routing's particular ones)",
+    )
     args = p.parse_args()
     g, t, n, k = (int(v) for v in args.shape.split("x"))
     calls = []
     for routing in args.routings.split(","):
-        calls += launches(args.kernel, Case("profile", "fc", 0, g, t, n, k, routing), args.align)
+        calls += launches(args.kernel, Case("profile", "fc", 0, g, t, n, k, routing))
+    if args.lens:
+        pattern = [int(v) for v in args.lens.split(",")]
+        lens = torch.tensor([pattern[i % len(pattern)] for i in range(g)], device="cuda")
+        calls += launches(args.kernel, Case("profile", "fc", 0, g, t, n, k, "given"), lens)
     for call in calls:
         call()
     torch.cuda.synchronize()
