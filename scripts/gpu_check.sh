@@ -25,6 +25,8 @@
 #                       (GROUPED_PROFILE, G x T x N x K, default DeepSeek-V3 fc1 at EP 8)
 #   GROUP_QUANT=1       time the grouped FP8 wgrad-operand quantizers' launch candidates against a copy
 #   SM90_SWEEP=1        time the Hopper Gluon grouped GEMM kernels' launch candidates against the vendor ops
+#   GROUPED_NCU=1       Nsight Compute (speed of light, memory) of the Gluon grouped FP8 forward and its peer
+#                       under balanced, skewed and alternating 1024/3072 group sizes
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -116,6 +118,13 @@ fi
 if [ "${SM90_SWEEP:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_sm90_configs \
     -o "$OUT/grouped_sm90_configs.csv" 2>&1 | tee "$OUT/bench_grouped_sm90_configs.log" || status=1
+fi
+if [ "${GROUPED_NCU:-0}" = 1 ]; then
+  PYTHONPATH=. timeout 300 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
+    --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    .venv/bin/python scripts/profile_grouped_kernel.py --kernel fp8 --lens 1024,3072 \
+    > "$OUT/ncu_grouped.txt" 2>&1 || status=1
+  grep -E "^  [_a-z]|Duration|DRAM Throughput|L2 Hit Rate" "$OUT/ncu_grouped.txt" | cut -c1-120
 fi
 if [ "${ATTN:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_attention_turbo \
