@@ -24,7 +24,13 @@ import triton
 import triton.testing
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import make_inputs, platform_name, time_interleaved, timing_stream
+from benchmark.ops.training.bench_utils import (
+    add_timer_argument,
+    make_inputs,
+    platform_name,
+    time_interleaved,
+    timing_stream,
+)
 from benchmark.ops.training.config import SHAPE_SETS, GemmShape, gemm_shape_set
 
 try:
@@ -281,13 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test with wall-clock timing"
     )
-    p.add_argument(
-        "--timer",
-        choices=("events", "graph"),
-        default="events",
-        help="events: eager calls with an L2 flush each (host cost included where it exceeds the flush); "
-        "graph: CUDA-graph replays (device time only)",
-    )
+    add_timer_argument(p)
     args = p.parse_args(argv)
     if not 0 <= args.shard_id < args.num_shards:
         p.error("need 0 <= --shard-id < --num-shards")

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
+from benchmark.ops.training.bench_utils import (
+    add_timer_argument,
+    platform_name,
+    time_interleaved,
+    timing_stream,
+    write_csv,
+)
 from benchmark.ops.training.config import MOE_MODELS, MoEModelConfig
 
 LOG = logging.getLogger("bench_grouped_gemm_turbo")
@@ -109,13 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         default="tensorwise",
         help="FP8 scaling with --dtype fp8 (rows from bench_grouped_gemm_fp8.py)",
     )
-    p.add_argument(
-        "--timer",
-        choices=("events", "graph"),
-        default="events",
-        help="events: eager calls with an L2 flush each (host cost included where it exceeds the flush); "
-        "graph: CUDA-graph replays (device time only)",
-    )
+    add_timer_argument(p)
     p.add_argument("-o", "--output", default="bench_grouped_gemm.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import functools
@@ -119,6 +120,17 @@ def timing_stream(graph: bool) -> Iterator[None]:
     with torch.cuda.stream(stream):
         yield
     torch.cuda.current_stream().wait_stream(stream)
+
+
+def add_timer_argument(parser: argparse.ArgumentParser) -> None:
+    """``--timer events|graph`` of the timed benchmarks (``events`` by default)."""
+    parser.add_argument(
+        "--timer",
+        choices=("events", "graph"),
+        default="events",
+        help="events: eager calls with an L2 flush each (host cost included where it exceeds the flush); "
+        "graph: CUDA-graph replays (device time only)",
+    )
 
 
 def time_interleaved(
