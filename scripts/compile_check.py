@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="first config of each kernel only")
-    parser.add_argument("--sass-dir", default="", help="also write each kernel's SASS into this folder")
+    parser.add_argument(
+        "--sass-dir", default="", help="also write each kernel's SASS into this (new or empty) folder"
+    )
     args = parser.parse_args(argv)
     if args.sass_dir:
         os.makedirs(args.sass_dir, exist_ok=True)

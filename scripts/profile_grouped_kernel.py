@@ -16,37 +16,30 @@ import argparse
 import torch
 
 from benchmark.ops.training.bench_grouped_gemm_turbo import Case, group_lens
+from benchmark.ops.training.bench_grouped_sm90_configs import fp8_problem, offsets
 
 
 def launches(kind: str, case: Case, lens: torch.Tensor | None = None) -> list:
     """(ours, peer) callables of one case's forward, with the case's routing or the group sizes ``lens``."""
     lens = group_lens(case, "cuda") if lens is None else lens
-    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    ends = offs[1:].to(torch.int32)
     tokens = int(lens.sum())
+    out = torch.empty(tokens, case.n, device="cuda", dtype=torch.bfloat16)
     if kind == "bf16":
         from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_sm90
 
+        offs, ends = offsets(lens)
         a = torch.randn(tokens, case.k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(case.groups, case.n, case.k, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(tokens, case.n, device="cuda", dtype=torch.bfloat16)
         return [
             lambda: grouped_gemm_sm90(a, b, offs, True, out),
             lambda: torch._grouped_mm(a, b.transpose(1, 2), offs=ends),
         ]
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_gemm_fp8_sm90
 
-    a = torch.randn(tokens, case.k, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(case.groups, case.n, case.k, device="cuda").to(torch.float8_e4m3fn)
-    sa, sb = torch.ones((), device="cuda"), torch.ones(case.groups, device="cuda")
-    out = torch.empty(tokens, case.n, device="cuda", dtype=torch.bfloat16)
-    scale_a, scale_b = torch.ones(tokens, device="cuda"), torch.ones(case.groups, case.n, device="cuda")
-    return [
-        lambda: grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out),
-        lambda: torch._scaled_grouped_mm(
-            a, b.transpose(1, 2), scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16
-        ),
-    ]
+    p = fp8_problem(case, lens)
+    a_scale, b_scale = (p["sa"], 0, 0), (p["sb"], 1, 0, 0)
+    ours = [lambda: grouped_gemm_fp8_sm90(p["a"], a_scale, p["b"], b_scale, p["offs"], out)]
+    return ours + ([p["peer"]] if p["peer"] is not None else [])
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
     from primus_turbo.pytorch.ops.grouped_gemm_fp8 import _block, _quantize_experts, _quantize_tokens
 
     device = args.device
-    graph = device == "cuda" and getattr(args, "timer", "events") == "graph"
+    graph = device == "cuda" and args.timer == "graph"
     config = quant_config(args.granularity)
     if args.granularity == "blockwise" and (case.k % BLOCK or case.n % BLOCK):
         skip = f"SKIP: K ({case.k}) and N ({case.n}) must be multiples of {BLOCK}"

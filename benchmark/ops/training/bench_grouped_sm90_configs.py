@@ -99,18 +99,36 @@ def _tiles() -> dict:
     }
 
 
-def _offsets(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(group_lens, int64 offsets [G + 1], int32 end rows [G]) of the case's routing."""
-    lens = group_lens(case, "cuda")
+def offsets(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 offsets [G + 1], int32 end rows [G]) of the group sizes ``lens``."""
     offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    return lens, offs, offs[1:].to(torch.int32)
+    return offs, offs[1:].to(torch.int32)
+
+
+def fp8_problem(case: Case, lens: torch.Tensor) -> dict:
+    """A tensorwise FP8 grouped forward with group sizes ``lens``: E4M3 ``a`` [T, K] and ``b`` [G, N, K],
+    a 0-d scale for ``a`` and one per expert for ``b``, their offsets, and ``peer`` (the same product
+    through ``torch._scaled_grouped_mm``; None where the installed torch lacks it)."""
+    offs, ends = offsets(lens)
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(int(lens.sum()), case.k, device="cuda").to(e4m3)
+    b = (torch.randn(case.groups, case.n, case.k, device="cuda") * 4).to(e4m3)
+    sa = torch.full((), 0.5, device="cuda")
+    sb = torch.rand(case.groups, device="cuda") + 0.5
+    peer = None
+    if hasattr(torch, "_scaled_grouped_mm"):
+        scale_a = sa.expand(a.shape[0]).contiguous()
+        scale_b = sb[:, None].expand(-1, case.n).contiguous()
+        operands = (a, b.transpose(1, 2), scale_a, scale_b)
+        peer = functools.partial(torch._scaled_grouped_mm, *operands, offs=ends, out_dtype=torch.bfloat16)
+    return {"a": a, "b": b, "sa": sa, "sb": sb, "offs": offs, "ends": ends, "peer": peer}
 
 
 def bf16_rows(case: Case, limit: int = 0) -> list[dict]:
     """Every ``Sm90Tiles`` candidate of the bf16 forward kernel next to ``torch._grouped_mm``."""
     from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_sm90
 
-    _, offs, ends = _offsets(case)
+    offs, ends = offsets(group_lens(case, "cuda"))
     a = torch.randn(case.groups * case.tokens, case.k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(case.groups, case.n, case.k, device="cuda", dtype=torch.bfloat16) * case.k**-0.5
     peer = functools.partial(torch._grouped_mm, a, b.transpose(1, 2), offs=ends)
@@ -126,7 +144,7 @@ def wgrad_rows(case: Case, limit: int = 0) -> list[dict]:
     weight gradient [G, N, K] of the case's forward."""
     from primus_turbo.triton.grouped_gemm.grouped_gemm_sm90 import grouped_gemm_variable_k_sm90
 
-    _, offs, ends = _offsets(case)
+    offs, ends = offsets(group_lens(case, "cuda"))
     tokens = case.groups * case.tokens
     grad = torch.randn(tokens, case.n, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(tokens, case.k, device="cuda", dtype=torch.bfloat16)
@@ -143,20 +161,11 @@ def fp8_rows(case: Case, limit: int = 0) -> list[dict]:
     from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import BlockSm90Config
     from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import grouped_gemm_fp8_sm90
 
-    lens, offs, ends = _offsets(case)
-    e4m3 = torch.float8_e4m3fn
-    a = torch.randn(case.groups * case.tokens, case.k, device="cuda").to(e4m3)
-    b = (torch.randn(case.groups, case.n, case.k, device="cuda") * 4).to(e4m3)
-    sa = torch.full((), 0.5, device="cuda")
-    sb = torch.rand(case.groups, device="cuda") + 0.5
-    ref = torch._grouped_mm(a.bfloat16(), b.bfloat16().transpose(1, 2), offs=ends) * 0.5
+    lens = group_lens(case, "cuda")
+    p = fp8_problem(case, lens)
+    a, b, sa, sb = p["a"], p["b"], p["sa"], p["sb"]
+    ref = torch._grouped_mm(a.bfloat16(), b.bfloat16().transpose(1, 2), offs=p["ends"]) * sa
     ref = ref * torch.repeat_interleave(sb, lens, output_size=a.shape[0])[:, None]
-    peer = None
-    if hasattr(torch, "_scaled_grouped_mm"):
-        scale_a = sa.expand(a.shape[0]).contiguous()
-        scale_b = sb[:, None].expand(-1, case.n).contiguous()
-        operands = (a, b.transpose(1, 2), scale_a, scale_b)
-        peer = functools.partial(torch._scaled_grouped_mm, *operands, offs=ends, out_dtype=torch.bfloat16)
     candidates = {
         f"s{stages} u{k_unroll} g{group_m}": BlockSm90Config(
             num_stages=stages, k_unroll=k_unroll, group_m=group_m
@@ -165,9 +174,9 @@ def fp8_rows(case: Case, limit: int = 0) -> list[dict]:
     }
 
     def launch(config, out) -> bool:
-        return grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), offs, out, None, config)
+        return grouped_gemm_fp8_sm90(a, (sa, 0, 0), b, (sb, 1, 0, 0), p["offs"], out, None, config)
 
-    return _sweep(case, "fp8", candidates, launch, peer, ref.bfloat16(), limit)
+    return _sweep(case, "fp8", candidates, launch, p["peer"], ref.bfloat16(), limit)
 
 
 def main() -> None:
