@@ -430,6 +430,18 @@ def _mask_tokens(tile, t0, start, end, BLOCK_K: gl.constexpr, num_warps: gl.cons
 
 
 @gluon.jit
+def _mask_partial_block(a_tile, b_tile, t0, start, end, num_warps: gl.constexpr):
+    """Zero both operands' tokens outside [start, end) when the token block at t0 is a group's partial
+    first or last one, and make the stores visible to the wgmma that follows."""
+    BLOCK_K: gl.constexpr = a_tile.type.shape[1]
+    if (t0 < start) | (t0 + BLOCK_K > end):
+        _mask_tokens(a_tile, t0, start, end, BLOCK_K, num_warps)
+        _mask_tokens(b_tile, t0, start, end, BLOCK_K, num_warps)
+        fence_async_shared()
+        _cta_barrier()
+
+
+@gluon.jit
 def _variable_k_tile(tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M: gl.constexpr):
     """Tile ``tile``'s group, output tile coordinates, first aligned token block and block count."""
     g = tile // tiles_per_group
@@ -448,7 +460,6 @@ def _variable_k_consumer(
     c_desc,
     c_ptr,
     offs_ptr,
-    base_ptr,
     sl_ptr,
     sr_ptr,
     a_bufs,
@@ -460,16 +471,13 @@ def _variable_k_consumer(
     P,
     Q,
     PER_COLUMN: gl.constexpr,
-    PER_BLOCK: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """The default partition: wgmma over each tile's token blocks, the scales and the epilogue. Scales
-    constant along the tokens leave one wgmma in flight and apply to the finished tile; PER_BLOCK scales
-    (one row per token block, ``base[g]`` the group's first) scale each block's product before it is
-    added."""
+    """The default partition: wgmma over each tile's token blocks with one left in flight, the scales
+    (constant along the tokens) on the finished tile, and the epilogue."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -480,55 +488,33 @@ def _variable_k_consumer(
     num_pid_n = gl.cdiv(Q, BLOCK_N)
     tiles_per_group = num_pid_m * num_pid_n
     cons = gl.to_tensor(0)
-    prod = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
     for tile in range(gl.program_id(0), G * tiles_per_group, gl.num_programs(0)):
         g, pid_m, pid_n, start, end, first, blocks = _variable_k_tile(
             tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
         )
         offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
         offs_q = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        p_ok = offs_p < P
-        q_ok = offs_q < Q
-        block_row = gl.to_tensor(0)
-        if PER_BLOCK:
-            block_row = gl.load(base_ptr + g).to(gl.int32)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for i in range(blocks):
-            t0 = first + i * BLOCK_K
             slot = cons % NUM_STAGES
             mbarrier.wait(ready.index(slot), (cons // NUM_STAGES) & 1)
-            if (t0 < start) | (t0 + BLOCK_K > end):
-                _mask_tokens(a_bufs.index(slot), t0, start, end, BLOCK_K, num_warps)
-                _mask_tokens(b_bufs.index(slot), t0, start, end, BLOCK_K, num_warps)
-                fence_async_shared()
-                _cta_barrier()
-            b = b_bufs.index(slot).permute((1, 0))
-            if PER_BLOCK:
-                # the block's scales load while its wgmma runs
-                sl = gl.load(sl_ptr + (block_row + i) * P + offs_p, mask=p_ok, other=0.0)
-                sr = gl.load(sr_ptr + (block_row + i) * Q + offs_q, mask=q_ok, other=0.0)
-                prod = warpgroup_mma(a_bufs.index(slot), b, prod, use_acc=False, is_async=True)
-                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
-                _cta_barrier()
-                mbarrier.arrive(empty.index(slot))
-                acc = acc + prod * (gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0))
-            else:
-                acc = warpgroup_mma(a_bufs.index(slot), b, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                # the previous block's wgmma has retired in both warpgroups: its stage goes back
-                _cta_barrier()
-                mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
-            cons += 1
-        if not PER_BLOCK:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            t0 = first + i * BLOCK_K
+            _mask_partial_block(a_bufs.index(slot), b_bufs.index(slot), t0, start, end, num_warps)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous block's wgmma has retired in both warpgroups: its stage goes back
             _cta_barrier()
-            mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=blocks > 0)
-            if PER_COLUMN:
-                sl = gl.load(sl_ptr + g * P + offs_p, mask=p_ok, other=0.0)
-                sr = gl.load(sr_ptr + g * Q + offs_q, mask=q_ok, other=0.0)
-                acc = acc * gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0)
-            else:
-                acc = acc * (gl.load(sl_ptr) * gl.load(sr_ptr))
+            mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=i > 0)
+            cons += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index((cons + NUM_STAGES - 1) % NUM_STAGES), pred=blocks > 0)
+        if PER_COLUMN:
+            sl = gl.load(sl_ptr + g * P + offs_p, mask=offs_p < P, other=0.0)
+            sr = gl.load(sr_ptr + g * Q + offs_q, mask=offs_q < Q, other=0.0)
+            acc = acc * gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0)
+        else:
+            acc = acc * (gl.load(sl_ptr) * gl.load(sr_ptr))
         # out [G, P, Q] as [G * P, Q] rows
         whole = pid_m * BLOCK_M + BLOCK_M <= P
         rows = g * P + offs_p
@@ -595,14 +581,12 @@ def _grouped_variable_k_sm90_kernel(
     c_desc,
     c_ptr,
     offs_ptr,
-    base_ptr,
     sl_ptr,
     sr_ptr,
     G,
     P,
     Q,
     PER_COLUMN: gl.constexpr,
-    PER_BLOCK: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -613,6 +597,147 @@ def _grouped_variable_k_sm90_kernel(
         [
             (
                 _variable_k_consumer,
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    c_ptr,
+                    offs_ptr,
+                    sl_ptr,
+                    sr_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_smem,
+                    ready,
+                    empty,
+                    G,
+                    P,
+                    Q,
+                    PER_COLUMN,
+                    ACCUMULATE,
+                    GROUP_M,
+                    NUM_STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _variable_k_producer,
+                (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES, False),
+            ),
+        ],
+        [1],
+        [24],
+    )
+    drop_ring(ready, empty, NUM_STAGES)
+
+
+@gluon.jit
+def _block_wgrad_consumer(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    offs_ptr,
+    base_ptr,
+    sl_ptr,
+    sr_ptr,
+    a_bufs,
+    b_bufs,
+    c_smem,
+    ready,
+    empty,
+    G,
+    P,
+    Q,
+    WG: gl.constexpr,
+    ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    """One of the block-scaled wgrad's two consumer warpgroups: rows [64 WG, 64 WG + 64) of every tile.
+    Each token block's product is scaled by its row and column scales (one row of each per block,
+    ``base[g]`` the group's first) before it is added, which leaves nothing in flight; the warpgroups
+    run as separate partitions, each releasing a stage on its own, so one scales while the other's wgmma
+    runs. Both mask a partial block's B tokens (writing the same bits) and each its own half of A."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    HALF: gl.constexpr = BLOCK_M // 2
+    mma_layout: gl.constexpr = _mma_layout(HALF, BLOCK_N, 4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_pid_m = gl.cdiv(P, BLOCK_M)
+    num_pid_n = gl.cdiv(Q, BLOCK_N)
+    tiles_per_group = num_pid_m * num_pid_n
+    out_smem = c_smem.index(WG)
+    cons = gl.to_tensor(0)
+    prod = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+    for tile in range(gl.program_id(0), G * tiles_per_group, gl.num_programs(0)):
+        g, pid_m, pid_n, start, end, first, blocks = _variable_k_tile(
+            tile, offs_ptr, tiles_per_group, num_pid_m, num_pid_n, BLOCK_K, GROUP_M
+        )
+        row0 = pid_m * BLOCK_M + WG * HALF
+        offs_p = row0 + gl.arange(0, HALF, layout=row_layout)
+        offs_q = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        p_ok = offs_p < P
+        q_ok = offs_q < Q
+        block_row = gl.load(base_ptr + g).to(gl.int32)
+        acc = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+        for i in range(blocks):
+            slot = cons % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (cons // NUM_STAGES) & 1)
+            a_half = a_bufs.index(slot).slice(WG * HALF, HALF, dim=0)
+            _mask_partial_block(a_half, b_bufs.index(slot), first + i * BLOCK_K, start, end, 4)
+            # the block's scales load while its wgmma runs
+            sl = gl.load(sl_ptr + (block_row + i) * P + offs_p, mask=p_ok, other=0.0)
+            sr = gl.load(sr_ptr + (block_row + i) * Q + offs_q, mask=q_ok, other=0.0)
+            b = b_bufs.index(slot).permute((1, 0))
+            prod = warpgroup_mma(a_half, b, prod, use_acc=False, is_async=True)
+            prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+            _cta_barrier()
+            mbarrier.arrive(empty.index(slot))
+            acc = acc + prod * (gl.expand_dims(sl, 1) * gl.expand_dims(sr, 0))
+            cons += 1
+        whole = row0 + HALF <= P
+        _store_tile(
+            acc, c_desc, out_smem, c_ptr, g * P + offs_p, offs_q, g * P + row0, pid_n * BLOCK_N, g * P + P, Q,
+            Q, whole, ACCUMULATE,
+        )  # fmt: skip
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _grouped_block_wgrad_sm90_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    c_ptr,
+    offs_ptr,
+    base_ptr,
+    sl_ptr,
+    sr_ptr,
+    G,
+    P,
+    Q,
+    ACCUMULATE: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):
+    a_shape: gl.constexpr = a_desc.block_type.shape
+    b_shape: gl.constexpr = b_desc.block_type.shape
+    c_shape: gl.constexpr = c_desc.block_type.shape
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_shape[0], a_shape[1]], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_shape[0], b_shape[1]], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, c_shape[0], c_shape[1]], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize(
+        [
+            (
+                _block_wgrad_consumer,
                 (
                     a_desc,
                     b_desc,
@@ -630,12 +755,35 @@ def _grouped_variable_k_sm90_kernel(
                     G,
                     P,
                     Q,
-                    PER_COLUMN,
-                    PER_BLOCK,
+                    0,
                     ACCUMULATE,
                     GROUP_M,
                     NUM_STAGES,
-                    num_warps,
+                ),
+            ),
+            (
+                _block_wgrad_consumer,
+                (
+                    a_desc,
+                    b_desc,
+                    c_desc,
+                    c_ptr,
+                    offs_ptr,
+                    base_ptr,
+                    sl_ptr,
+                    sr_ptr,
+                    a_bufs,
+                    b_bufs,
+                    c_smem,
+                    ready,
+                    empty,
+                    G,
+                    P,
+                    Q,
+                    1,
+                    ACCUMULATE,
+                    GROUP_M,
+                    NUM_STAGES,
                 ),
             ),
             (
@@ -643,8 +791,8 @@ def _grouped_variable_k_sm90_kernel(
                 (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES, False),
             ),
         ],
-        [1],
-        [24],
+        [4, 1],
+        [232, 24],
     )
     drop_ring(ready, empty, NUM_STAGES)
 
@@ -682,26 +830,44 @@ def grouped_gemm_fp8_variable_k_sm90(
     groups, p, q = out.shape
 
     tiles = groups * triton.cdiv(p, _TILE) * triton.cdiv(q, _TILE)
+    grid = (min(tiles, num_sms(lhs.device)),)
+    operands = (tma_descriptor(lhs.t(), [_TILE, _TILE]), tma_descriptor(rhs.t(), [_TILE, _TILE]))
+    out_rows = out.view(groups * p, q)
     try:
-        _grouped_variable_k_sm90_kernel[(min(tiles, num_sms(lhs.device)),)](
-            tma_descriptor(lhs.t(), [_TILE, _TILE]),
-            tma_descriptor(rhs.t(), [_TILE, _TILE]),
-            tma_descriptor(out.view(groups * p, q), [_TILE, _TILE]),
-            out,
-            group_offs,
-            group_offs if block_base is None else block_base,
-            lhs_scale,
-            rhs_scale,
-            groups,
-            p,
-            q,
-            PER_COLUMN=lhs_scale.dim() > 0 and block_base is None,
-            PER_BLOCK=block_base is not None,
-            ACCUMULATE=accumulate,
-            GROUP_M=config.group_m,
-            NUM_STAGES=config.num_stages,
-            num_warps=8,
-        )
+        if block_base is not None:
+            _grouped_block_wgrad_sm90_kernel[grid](
+                *operands,
+                tma_descriptor(out_rows, [_TILE // 2, _TILE]),
+                out,
+                group_offs,
+                block_base,
+                lhs_scale,
+                rhs_scale,
+                groups,
+                p,
+                q,
+                ACCUMULATE=accumulate,
+                GROUP_M=config.group_m,
+                NUM_STAGES=config.num_stages,
+                num_warps=4,
+            )
+        else:
+            _grouped_variable_k_sm90_kernel[grid](
+                *operands,
+                tma_descriptor(out_rows, [_TILE, _TILE]),
+                out,
+                group_offs,
+                lhs_scale,
+                rhs_scale,
+                groups,
+                p,
+                q,
+                PER_COLUMN=lhs_scale.dim() > 0,
+                ACCUMULATE=accumulate,
+                GROUP_M=config.group_m,
+                NUM_STAGES=config.num_stages,
+                num_warps=8,
+            )
     except triton.CompilationError as exc:
         _failed.add((lhs.dtype, rhs.dtype, out.dtype, "variable-k"))
         LOG.warning(

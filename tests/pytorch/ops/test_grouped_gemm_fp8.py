@@ -298,7 +298,8 @@ def test_bad_input_raises_clear_error():
 
 
 def test_triton_block_kernels_match_the_reference():
-    """The Triton forward and variable-K kernels in block mode against the TORCH reference paths."""
+    """The Triton forward and variable-K kernels in block mode against the TORCH reference paths: groups
+    of 0 to 6 token blocks (odd and even counts, partial first and last blocks)."""
     from primus_turbo.triton.grouped_gemm import (
         grouped_fp8_scale_block,
         grouped_gemm_fp8_triton,
@@ -306,19 +307,20 @@ def test_triton_block_kernels_match_the_reference():
     )
 
     block = grouped_fp8_scale_block()
-    lens = torch.tensor([block + 5, 0, 2 * block, 7], dtype=torch.int64, device=DEVICE)
+    lens = torch.tensor([block + 5, 0, 2 * block, 7, 5 * block + 9], dtype=torch.int64, device=DEVICE)
+    groups = len(lens)
     offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     tokens, k, n = int(lens.sum()), 2 * block, 3 * block
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(tokens, k, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
-    b = torch.randn(4, n, k, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
+    b = torch.randn(groups, n, k, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
     sa = (torch.rand(tokens, k // block, generator=gen) + 0.5).to(DEVICE)
-    sb = (torch.rand(4, n // block, k // block, generator=gen) + 0.5).to(DEVICE)
+    sb = (torch.rand(groups, n // block, k // block, generator=gen) + 0.5).to(DEVICE)
     args = (a, sa, b, sb, offs, True, torch.float32)
     out = grouped_gemm_fp8_triton(*args, block)
     ref = impl.TorchGroupedGemmFp8Backend.execute(*args, block_size=block)
     assert compute_snr(ref, out) >= 60
-    rows = impl.group_block_count(tokens, 4, block)
+    rows = impl.group_block_count(tokens, groups, block)
     sl = (torch.rand(rows, k, generator=gen) + 0.5).to(DEVICE)
     grad = torch.randn(tokens, n, generator=gen).to(DEVICE).to(torch.float8_e5m2)
     sr = (torch.rand(rows, n, generator=gen) + 0.5).to(DEVICE)
@@ -327,7 +329,7 @@ def test_triton_block_kernels_match_the_reference():
     token_rows, _ = impl.group_block_rows(offs, tokens, block)
     left, right = a.double() * sl[token_rows].double(), grad.double() * sr[token_rows].double()
     bounds = offs.tolist()
-    for g in range(4):
+    for g in range(groups):
         expected = left[bounds[g] : bounds[g + 1]].t() @ right[bounds[g] : bounds[g + 1]]
         if lens[g] == 0:
             assert torch.all(wgrad[g] == 0)
