@@ -142,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     from primus_turbo.triton.gemm import gemm_fp8_block_sm90 as sm90
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
-    from primus_turbo.triton.grouped_gemm import group_quant_kernel as group_quant
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
     from primus_turbo.triton.moe import permute_kernel as permute
     from primus_turbo.triton.moe import router_kernel as router
@@ -445,14 +444,6 @@ def main(argv: list[str] | None = None) -> int:
             128,
         ),
     )
-    offs, ends = torch.tensor([0, 40, 40, 64]), torch.tensor([1, 1, 2])
-    blocks = (y, offs, ends, e4m3, 128, 4)
-    for label, launch in (
-        ("columns", lambda: group_quant.quantize_fp8_group_columns_triton(y, offs, e4m3)),
-        ("blocks", lambda: group_quant.quantize_fp8_group_blocks_triton(*blocks)),
-        ("blocks dual", lambda: group_quant.quantize_fp8_group_blocks_dual_triton(*blocks)),
-    ):
-        attempt(f"quantize fp8 group {label}", launch)
     e5m2_a = torch.empty(m, k, dtype=e5m2)
     for a_sm90, out_dtype in ((torch.empty(m, k, dtype=e4m3), bf16), (e5m2_a, f32)):
         attempt(

@@ -2,11 +2,9 @@
 
 A tuning aid, like ``bench_norm_act_configs``: ``quantize_fp8_group_columns_triton`` (the row-wise
 recipe) and ``quantize_fp8_group_blocks_triton`` (the block recipe) read x [T, C] bf16 and write its
-token-major FP8 copy, at least 3 * T * C bytes; ``quantize_fp8_group_blocks_dual_triton`` also writes
-the row-major 1 x 128 copy (4 * T * C bytes) and is timed next to the two quantizations it replaces
-("separate"). Each candidate runs through the launcher's ``launch`` override (``None`` is its own
-choice), interleaved with CUDA events (L2 flushed) next to an elementwise copy moving those bytes. Every
-candidate's output is checked bit for bit against the default's.
+token-major FP8 copy, at least 3 * T * C bytes; each candidate runs through the launcher's ``launch``
+override (``None`` is its own choice), interleaved with CUDA events (L2 flushed) next to an elementwise
+copy moving those bytes. Every candidate's output is checked bit for bit against the default's.
 
 Example::
 
@@ -27,29 +25,17 @@ from benchmark.ops.training.bench_utils import copy_ms, platform_name, time_inte
 COLUMN_CANDIDATES = [None, (128, 64, 8), (16, 128, 4), (16, 256, 4), (32, 128, 8), (16, 64, 2)]
 # (columns per program, warps)
 BLOCK_CANDIDATES = [None, (128, 8), (64, 4), (16, 4), (32, 8), (32, 2)]
-# (rows per piece, warps); "separate" is quantize_fp8's 1 x 128 blocks and then the group blocks
-DUAL_CANDIDATES = [None, "separate", (16, 4), (16, 8), (32, 4), (64, 8), (128, 8)]
 # groups x tokens per group, columns: DeepSeek-V3 and Qwen3-30B-A3B experts at EP 8
 SHAPES = [(32, 2048, 7168), (32, 2048, 4096), (16, 2048, 2048), (16, 2048, 768)]
 TINY = [(3, 40, 256)]
 
 
-def _bitwise_equal(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    """FP8 payloads compared as bytes, scales as values."""
-    if got.element_size() == 1:
-        return torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-    return torch.equal(got, expected)
-
-
 def _rows(groups: int, tokens: int, cols: int, device: str) -> list[dict]:
-    from primus_turbo.pytorch.core.low_precision import ScalingGranularity
     from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
         group_block_count,
         group_block_layout,
     )
-    from primus_turbo.pytorch.kernels.quantization.quantization_impl import quantize_fp8_impl
     from primus_turbo.triton.grouped_gemm import (
-        quantize_fp8_group_blocks_dual_triton,
         quantize_fp8_group_blocks_triton,
         quantize_fp8_group_columns_triton,
     )
@@ -61,53 +47,41 @@ def _rows(groups: int, tokens: int, cols: int, device: str) -> list[dict]:
     block_ends = group_block_layout(offs, 128)[0]
     count = group_block_count(total, groups, 128)
     e4m3 = torch.float8_e4m3fn
-
-    def dual(c):
-        if c == "separate":
-            return lambda: (
-                *quantize_fp8_impl(x, e4m3, ScalingGranularity.BLOCKWISE.value, 128, 1, False),
-                *quantize_fp8_group_blocks_triton(x, offs, block_ends, e4m3, 128, count),
-            )
-        return functools.partial(
-            quantize_fp8_group_blocks_dual_triton, x, offs, block_ends, e4m3, 128, count, c
-        )
-
-    nbytes = 3 * total * cols
     ops = {
         "group columns": (
             COLUMN_CANDIDATES,
             lambda c: functools.partial(quantize_fp8_group_columns_triton, x, offs, e4m3, c),
-            nbytes,
         ),
         "group blocks": (
             BLOCK_CANDIDATES,
             lambda c: functools.partial(
                 quantize_fp8_group_blocks_triton, x, offs, block_ends, e4m3, 128, count, c
             ),
-            nbytes,
         ),
-        "group blocks dual": (DUAL_CANDIDATES, dual, 4 * total * cols),
     }
+    nbytes = 3 * total * cols
+    copy = copy_ms(nbytes, device, False)
     rows = []
-    for op, (candidates, call, moved) in ops.items():
-        copy = copy_ms(moved, device, False)
+    for op, (candidates, call) in ops.items():
         reference = call(None)()
-        same = [
-            all(_bitwise_equal(got, ref) for got, ref in zip(call(c)(), reference, strict=True))
-            for c in candidates
-        ]
+        same = []
+        for c in candidates:
+            q, scale = call(c)()
+            same.append(
+                torch.equal(q.view(torch.uint8), reference[0].view(torch.uint8))
+                and torch.equal(scale, reference[1])
+            )
         times = time_interleaved([call(c) for c in candidates], None, device)
         for c, ms, ok in zip(candidates, times, same, strict=True):
-            launch = c if isinstance(c, str) else "default" if c is None else "x".join(map(str, c))
             rows.append(
                 {
                     "Op": op,
                     "Tokens": total,
                     "Columns": cols,
                     "Groups": groups,
-                    "Launch": launch,
+                    "Launch": "default" if c is None else "x".join(map(str, c)),
                     "ms": ms,
-                    "GB/s": moved / ms / 1e6,
+                    "GB/s": nbytes / ms / 1e6,
                     "vs copy": copy / ms,
                     "Same output": ok,
                     "Platform": platform_name(device),

@@ -10,10 +10,7 @@ Scaling per granularity (``Format.HYBRID``: E4M3 forward operands, E5M2 gradient
 - BLOCKWISE (the DeepSeek-V3 recipe): tokens and gradients 1 x B along the reduction dimension, each
   expert's weight in B x B tiles (which serve the forward and dgrad alike); the wgrad operands get one
   scale per column for every stretch of B tokens (aligned to multiples of B, cut at group boundaries:
-  ``quantize_fp8_group_blocks``), so group sizes need not be multiples of B. K and N must be. When the
-  weights need a gradient, ``a`` (in the forward) and the output gradient (in the backward) are
-  quantized both ways in one pass (``quantize_fp8_group_blocks_dual``), and the forward keeps the FP8
-  wgrad copy of ``a`` for the backward instead of ``a``.
+  ``quantize_fp8_group_blocks``), so group sizes need not be multiples of B. K and N must be.
 
 Layouts: every FP8 operand reaches its GEMM with the reduction dimension contiguous, the layout
 Hopper's FP8 tensor cores read: weights K-major for the forward and N-major for dgrad (a transposed FP8
@@ -40,7 +37,6 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_accum_impl,
     grouped_gemm_fp8_variable_k_impl,
-    quantize_fp8_group_blocks_dual_impl,
     quantize_fp8_group_blocks_impl,
     quantize_fp8_group_columns_impl,
     transpose_last_two_impl,
@@ -96,20 +92,20 @@ def _block(config: Float8QuantConfig) -> int:
     return config.block_size if config.granularity is _G.BLOCKWISE else 0
 
 
-def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype):
-    """Token-major FP8 copies of ``grad_out`` and ``a`` with their scales, for the wgrad GEMM; the ones
-    already made (``grad_t``: the gradient's, stored [N, T]; the forward's copy of ``a``) are reused."""
-    a, _, group_offs, qa, sa, _, _, qa_t, sa_t, ends, _ = ctx.saved_tensors
+def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype, block_ends):
+    """Token-major FP8 copies of ``grad_out`` and ``a`` with their scales, for the wgrad GEMM
+    (``grad_t``: the tensorwise gradient already quantized and stored [N, T]; ``block_ends``: the block
+    layout's running block count under BLOCKWISE)."""
+    a, _, group_offs, qa, sa, _, _ = ctx.saved_tensors
     config, block = ctx.config, _block(ctx.config)
     if config.granularity is _G.TENSORWISE:
         # the forward's scales serve the reduction over tokens too: transposed copies of the same values
         return grad_t.t(), grad_scale, call_op(transpose_last_two_impl, qa).t(), sa
     if config.granularity is _G.BLOCKWISE:
-        if grad_t is None:
-            grad_t, grad_scale = call_op(
-                quantize_fp8_group_blocks_impl, grad_out, group_offs, grad_dtype, block, ends
-            )
-        return grad_t, grad_scale, qa_t, sa_t
+        quantize = quantize_fp8_group_blocks_impl
+        qg_t, sg_t = call_op(quantize, grad_out, group_offs, grad_dtype, block, block_ends)
+        qa_t, sa_t = call_op(quantize, a, group_offs, fwd_dtype, block, block_ends)
+        return qg_t, sg_t, qa_t, sa_t
     qg_t, sg_t = call_op(quantize_fp8_group_columns_impl, grad_out, group_offs, grad_dtype)
     qa_t, sa_t = call_op(quantize_fp8_group_columns_impl, a, group_offs, fwd_dtype)
     return qg_t, sg_t, qa_t, sa_t
@@ -119,45 +115,27 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern):
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
-        block = _block(config)
-        qa_t = sa_t = ends = base = None
-        if block and ctx.needs_input_grad[1]:
-            # one block layout for the quantizers and the wgrad GEMM; the wgrad copy of a made now, from
-            # the same read as the forward's, and kept instead of a
-            ends, base = group_block_layout(group_offs, block)
-            qa, sa, qa_t, sa_t = call_op(
-                quantize_fp8_group_blocks_dual_impl, a, group_offs, fwd_dtype, block, ends
-            )
-        else:
-            qa, sa = _quantize_tokens(a, fwd_dtype, config)
+        qa, sa = _quantize_tokens(a, fwd_dtype, config)
         k_axis = 2 if trans_b else 1  # b is [G, N, K] with trans_b, else [G, K, N]
         qb, sb = _quantize_experts(b, fwd_dtype, config, k_axis)
-        out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype, block)
-        ctx.trans_b, ctx.config, ctx.accum_pattern, ctx.a_dtype = trans_b, config, accum_pattern, a.dtype
-        if block:
-            a = qa = sa = None  # the backward needs none of them
-        ctx.save_for_backward(a, b, group_offs, qa, sa, qb, sb, qa_t, sa_t, ends, base)
+        out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype, _block(config))
+        ctx.save_for_backward(a, b, group_offs, qa, sa, qb, sb)
+        ctx.trans_b, ctx.config, ctx.accum_pattern = trans_b, config, accum_pattern
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        _, b, group_offs, _, _, qb, sb, _, _, ends, base = ctx.saved_tensors
+        a, b, group_offs, _, _, qb, sb = ctx.saved_tensors
         config, trans_b = ctx.config, ctx.trans_b
         gran, block = config.granularity, _block(config)
         grad_dtype = fp8_dtype_for(config.format, is_forward=False)
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
-        qg = sg = qg_t = sg_t = None
+        qg = sg = qg_t = None
         if gran is _G.TENSORWISE and ctx.needs_input_grad[1]:
             # one amax for both GEMMs; the transposed copy is the wgrad's token-major operand
             qg, sg, qg_t, _ = quantize_fp8_with_trans(grad_out, grad_dtype, gran)
-            sg_t = sg
-        elif block and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            # the dgrad and the wgrad operand from one read of the gradient
-            qg, sg, qg_t, sg_t = call_op(
-                quantize_fp8_group_blocks_dual_impl, grad_out, group_offs, grad_dtype, block, ends
-            )
         elif ctx.needs_input_grad[0]:
             qg, sg = _quantize_tokens(grad_out, grad_dtype, config)
         if ctx.needs_input_grad[0]:
@@ -166,10 +144,11 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
                 qb, sb = _quantize_experts(b, fwd_dtype, config, n_axis)
             else:
                 qb = _contiguous_along(qb, n_axis)
-            dgrad = (qg, sg, qb, sb, group_offs, not trans_b, ctx.a_dtype, block)
-            grad_a = call_op(grouped_gemm_fp8_impl, *dgrad)
+            grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype, block)
         if ctx.needs_input_grad[1]:
-            qg_t, sg_t, qa_t, sa_t = _wgrad_operands(ctx, grad_out, qg_t, sg_t, grad_dtype, fwd_dtype)
+            # one block layout (group_blocks' running total and first rows) for both quantizers and the GEMM
+            ends, base = group_block_layout(group_offs, block) if block else (None, None)
+            qg_t, sg_t, qa_t, sa_t = _wgrad_operands(ctx, grad_out, qg_t, sg, grad_dtype, fwd_dtype, ends)
             # [G, N, K] = per group dy^T a for the transposed layout, else [G, K, N] = a^T dy
             operands = (*((qg_t, sg_t, qa_t, sa_t) if trans_b else (qa_t, sa_t, qg_t, sg_t)), group_offs)
             if ctx.accum_pattern == "megatron":

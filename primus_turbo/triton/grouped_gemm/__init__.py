@@ -1,7 +1,6 @@
 """Grouped GEMM kernels (MoE experts)."""
 
 from primus_turbo.triton.grouped_gemm.group_quant_kernel import (
-    quantize_fp8_group_blocks_dual_triton,
     quantize_fp8_group_blocks_triton,
     quantize_fp8_group_columns_triton,
     token_major_empty,
@@ -22,7 +21,6 @@ __all__ = [
     "grouped_gemm_fp8_variable_k_triton",
     "grouped_gemm_triton",
     "grouped_gemm_variable_k_triton",
-    "quantize_fp8_group_blocks_dual_triton",
     "quantize_fp8_group_blocks_triton",
     "quantize_fp8_group_columns_triton",
     "token_major_empty",

@@ -11,9 +11,6 @@ scale, casts saturate.
 - ``quantize_fp8_group_blocks_triton``: one scale per (block, column) (the block recipe), the blocks
   being the stretches of B tokens aligned to multiples of B that a group's tokens touch. One program per
   (scale row, column block) reads its block once.
-- ``quantize_fp8_group_blocks_dual_triton``: the same and, from the same read, the row-major copy with
-  one scale per 1 x B block of every token (``quantize_fp8``'s BLOCKWISE along the rows): the forward
-  or dgrad operand and the wgrad operand of the block recipe from one pass over x.
 
 Both walk the tokens in tiles aligned in the token dimension, and only a group's partial first and last
 tiles mask rows: whole tiles store 16-byte pieces of the token-major copy, which a mask varying along
@@ -30,7 +27,6 @@ from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _sat
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 
 __all__ = [
-    "quantize_fp8_group_blocks_dual_triton",
     "quantize_fp8_group_blocks_triton",
     "quantize_fp8_group_columns_triton",
     "token_major_empty",
@@ -42,7 +38,6 @@ __all__ = [
 # 1.7x-2.0x faster).
 _COLUMN_LAUNCH = (32, 128, 4)  # (columns per program, rows per step of the walk over a group, warps)
 _BLOCK_LAUNCH = (32, 4)  # (columns per program, warps)
-_DUAL_LAUNCH = (32, 8)  # (rows per piece of a block, warps); not yet measured against the others
 
 
 @triton.jit
@@ -198,76 +193,6 @@ def _group_blocks_kernel(
         tl.store(scale_row, tl.full([BLOCK_C], 1.0, tl.float32), mask=col_ok)
 
 
-@triton.jit
-def _group_blocks_dual_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    offs_ptr,
-    block_ends_ptr,
-    G,
-    C,
-    stride_x,
-    stride_q,
-    stride_s,
-    stride_qt,
-    FP8_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CAST_SATURATES: tl.constexpr,
-):
-    """``_group_blocks_kernel`` over BLOCK columns, plus the row-major copy of the same tokens with one
-    scale per token over the program's columns (a 1 x BLOCK block; ``s`` is stored block-major). Every
-    token lies in exactly one group block, so every row-major element is written once. The block is
-    walked in CHUNK-row pieces twice: the column amax, then (from L2) both casts, each piece holding
-    whole rows for their scales."""
-    r = tl.program_id(0)
-    cb = tl.program_id(1)
-    cols = cb * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < C
-    groups = tl.arange(0, BLOCK_G)
-    ends = tl.load(block_ends_ptr + groups, mask=groups < G, other=2**62)
-    g = tl.sum((ends <= r).to(tl.int32), axis=0)
-    scale_row = st_ptr + r.to(tl.int64) * C + cols
-    if g < G:
-        base = tl.load(block_ends_ptr + g - 1, mask=g > 0, other=0)
-        start = tl.load(offs_ptr + g)
-        end = tl.load(offs_ptr + g + 1)
-        lo = (start // BLOCK + r - base) * BLOCK
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        for c in tl.static_range(BLOCK // CHUNK):
-            _, mask, x = _load_rows(x_ptr, lo + c * CHUNK, start, end, cols, col_ok, stride_x, CHUNK)
-            chunk_amax, chunk_bad = _tile_amax(x, mask)
-            amax = tl.maximum(amax, chunk_amax)
-            bad += chunk_bad
-        multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
-        tl.store(scale_row, stored, mask=col_ok)
-        whole = (lo >= start) & (lo + BLOCK <= end)
-        for c in tl.static_range(BLOCK // CHUNK):
-            rows, mask, x = _load_rows(x_ptr, lo + c * CHUNK, start, end, cols, col_ok, stride_x, CHUNK)
-            qt = _saturate(x * multiplier[None, :], FP8_MAX, CAST_SATURATES)
-            if whole:
-                _store_token_major(qt_ptr, qt, rows, cols, col_ok, start, end, stride_qt, False)
-            else:
-                _store_token_major(qt_ptr, qt, rows, cols, col_ok, start, end, stride_qt, True)
-            row_amax, row_bad = _tile_amax(tl.trans(x), tl.trans(mask))
-            row_multiplier, row_stored = _group_scale(row_amax, row_bad, FP8_MAX, False, 0)
-            q = _saturate(x * row_multiplier[:, None], FP8_MAX, CAST_SATURATES)
-            in_group = (rows >= start) & (rows < end)
-            tl.store(
-                q_ptr + rows[:, None] * stride_q + cols[None, :],
-                q.to(q_ptr.dtype.element_ty),
-                mask=in_group[:, None] & col_ok[None, :],
-            )
-            tl.store(s_ptr + cb.to(tl.int64) * stride_s + rows, row_stored, mask=in_group)
-    else:
-        tl.store(scale_row, tl.full([BLOCK], 1.0, tl.float32), mask=col_ok)
-
-
 def token_major_empty(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """An empty FP8 [T, C] like ``x`` whose memory is [C, T] with rows padded to 16 bytes (TMA
     describes only 16-byte aligned rows): the layout of both quantizations' q."""
@@ -349,49 +274,3 @@ def quantize_fp8_group_blocks_triton(
         num_warps=warps,
     )
     return q, scale
-
-
-def quantize_fp8_group_blocks_dual_triton(
-    x: torch.Tensor,
-    group_offs: torch.Tensor,
-    block_ends: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    block: int,
-    scale_rows: int,
-    launch: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, scale_inv, q_t, scale_inv_t)`` of ``x`` [T, C] (unit column stride, C a multiple of
-    ``block``) from one read: ``q`` [T, C] row-major with one scale per 1 x ``block`` block of each row
-    (``scale_inv`` [T, C / block], stored block-major as ``quantize_fp8`` stores it), and what
-    ``quantize_fp8_group_blocks_triton`` returns. ``launch`` overrides (rows per piece, warps) for
-    tuning sweeps."""
-    chunk, warps = launch or _DUAL_LAUNCH
-    tokens, cols = x.shape
-    groups = group_offs.numel() - 1
-    q = torch.empty((tokens, cols), dtype=fp8_dtype, device=x.device)
-    scale = torch.empty((cols // block, tokens), dtype=torch.float32, device=x.device)
-    q_t = token_major_empty(x, fp8_dtype)
-    scale_t = torch.empty((scale_rows, cols), dtype=torch.float32, device=x.device)
-    if cols and scale_rows:
-        _group_blocks_dual_kernel[(scale_rows, cols // block)](
-            x,
-            q,
-            scale,
-            q_t,
-            scale_t,
-            group_offs,
-            block_ends,
-            groups,
-            cols,
-            x.stride(0),
-            q.stride(0),
-            scale.stride(0),
-            q_t.stride(1),
-            FP8_MAX=torch.finfo(fp8_dtype).max,
-            BLOCK=block,
-            BLOCK_G=triton.next_power_of_2(max(groups, 1)),
-            CHUNK=min(chunk, block),
-            CAST_SATURATES=fp8_cast_saturates(x.device, fp8_dtype),
-            num_warps=warps,
-        )
-    return q, scale.t(), q_t, scale_t

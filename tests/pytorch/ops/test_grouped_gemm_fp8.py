@@ -161,37 +161,6 @@ def test_group_quantization_kernels_match_the_reference(kind, fp8_dtype):
         torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty", "one-group"])
-def test_dual_block_quantization_equals_the_two_it_fuses(kind, fp8_dtype):
-    """``quantize_fp8_group_blocks_dual`` gives ``quantize_fp8``'s 1 x B row blocks and the group block
-    quantization bit for bit, in their layouts (NaN, inf, a zero column, strided rows, several groups
-    ending inside one block, empty groups)."""
-    from primus_turbo.pytorch.ops.quantization import quantize_fp8
-
-    lens = _group_lens(kind, 5, BLOCK // 3 + 2)
-    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-    tokens = int(lens.sum())
-    gen = torch.Generator().manual_seed(11)
-    wide = (torch.randn(tokens, 3 * BLOCK, generator=gen) * 10).to(torch.bfloat16).to(DEVICE)
-    x = wide[:, : 2 * BLOCK]
-    x[:, 5] = 0
-    if tokens > 3:
-        x[1, 2], x[tokens - 2, BLOCK + 3] = float("nan"), float("inf")
-    q, scale, q_t, scale_t = impl.quantize_fp8_group_blocks_dual_impl(x, offs, fp8_dtype, BLOCK)
-    q_ref, scale_ref = quantize_fp8(x, fp8_dtype, G.BLOCKWISE, block_size=BLOCK, axis=1)
-    qt_ref, st_ref = impl.quantize_fp8_group_blocks_impl(x, offs, fp8_dtype, BLOCK)
-    for got, expected in ((q, q_ref), (q_t, qt_ref)):
-        assert got.shape == expected.shape and got.stride() == expected.stride()
-        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-    for got, expected in ((scale, scale_ref), (scale_t, st_ref)):
-        assert got.shape == expected.shape and got.stride() == expected.stride()
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
-    references = impl.group_blocks_dual_reference(x, offs, fp8_dtype, BLOCK)
-    assert torch.equal(references[0].view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(references[2].view(torch.uint8), q_t.view(torch.uint8))
-
-
 @pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
 @pytest.mark.parametrize("axis", [1, 2])
 def test_expert_weights_are_quantized_k_major(granularity, axis):
@@ -307,9 +276,6 @@ def test_blockwise_opcheck_and_compile():
     torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_impl, (*args, base), test_utils=utils)
     accum = (ql, sl, qr, sr, offs, torch.zeros(4, ql.shape[1], qr.shape[1], device=DEVICE), BLOCK, base)
     torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_accum_impl, accum, test_utils=utils)
-    # the forward's and backward's dual quantization, with and without the layout
-    torch.library.opcheck(impl.quantize_fp8_group_blocks_dual_impl, quantized, test_utils=utils)
-    torch.library.opcheck(impl.quantize_fp8_group_blocks_dual_impl, (*quantized, ends), test_utils=utils)
     config = Float8QuantConfig(format=Format.HYBRID, granularity=G.BLOCKWISE, block_size=BLOCK)
     _assert_compiled_step_matches_eager(a, b, lens, config)
 

@@ -18,8 +18,6 @@ variable-K (wgrad) GEMM needs.
   column): the wgrad operands of the block recipe. The scale tensor has ``ceil(T / B) + G`` rows (an
   upper bound on the blocks, so that its size does not depend on the group sizes); rows past the last
   block hold 1.
-- ``primus_turbo::quantize_fp8_group_blocks_dual``: that and ``quantize_fp8``'s 1 x B row blocks of the
-  same x from one read: the forward (or dgrad) operand and the wgrad operand of the block recipe.
 
 Layouts: Hopper's FP8 tensor cores read both operands with the reduction dimension contiguous (other
 layouts ran the Triton kernels 4-8x slower on H200), so the GEMMs take views of any strides and their
@@ -49,17 +47,12 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
-from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
-    expand_scale,
-    quantize_fp8_impl,
-    tensorwise_multipliers,
-)
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import expand_scale, tensorwise_multipliers
 from primus_turbo.triton.grouped_gemm import (
     grouped_fp8_scale_block,
     grouped_fp8_sm90_takes,
     grouped_gemm_fp8_triton,
     grouped_gemm_fp8_variable_k_triton,
-    quantize_fp8_group_blocks_dual_triton,
     quantize_fp8_group_blocks_triton,
     quantize_fp8_group_columns_triton,
     token_major_empty,
@@ -76,13 +69,11 @@ __all__ = [
     "group_block_count",
     "group_block_rows",
     "group_blocks",
-    "group_blocks_dual_reference",
     "group_blocks_reference",
     "group_columns_reference",
     "grouped_gemm_fp8_impl",
     "grouped_gemm_fp8_variable_k_accum_impl",
     "grouped_gemm_fp8_variable_k_impl",
-    "quantize_fp8_group_blocks_dual_impl",
     "quantize_fp8_group_blocks_impl",
     "quantize_fp8_group_columns_impl",
     "transpose_last_two_impl",
@@ -450,39 +441,3 @@ def quantize_fp8_group_blocks_impl(
 def _quantize_fp8_group_blocks_fake(x, group_offs, fp8_dtype, block_size, block_ends=None):
     count = group_block_count(x.shape[0], group_offs.shape[0] - 1, block_size)
     return token_major_empty(x, fp8_dtype), x.new_empty((count, x.shape[1]), dtype=torch.float32)
-
-
-def group_blocks_dual_reference(
-    x: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch path of ``quantize_fp8_group_blocks_dual``: the two quantizations it fuses."""
-    q, scale = quantize_fp8_impl(x, fp8_dtype, _BLOCKWISE, block_size, 1, False)
-    return (q, scale, *group_blocks_reference(x, group_offs, fp8_dtype, block_size))
-
-
-@custom_op("primus_turbo::quantize_fp8_group_blocks_dual", mutates_args=())
-def quantize_fp8_group_blocks_dual_impl(
-    x: torch.Tensor,
-    group_offs: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    block_size: int,
-    block_ends: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, scale_inv, q_t, scale_inv_t)`` of x [T, C] (C a multiple of ``block_size``) from one read:
-    ``quantize_fp8(x, fp8_dtype, BLOCKWISE, block_size=B, axis=1)`` and
-    ``quantize_fp8_group_blocks(x, group_offs, fp8_dtype, B)``, bit for bit."""
-    if triton_runs_on(x.device):
-        count = group_block_count(x.shape[0], group_offs.numel() - 1, block_size)
-        if block_ends is None:
-            block_ends = group_block_layout(group_offs, block_size)[0]
-        return quantize_fp8_group_blocks_dual_triton(x, group_offs, block_ends, fp8_dtype, block_size, count)
-    return group_blocks_dual_reference(x, group_offs, fp8_dtype, block_size)
-
-
-@quantize_fp8_group_blocks_dual_impl.register_fake
-def _quantize_fp8_group_blocks_dual_fake(x, group_offs, fp8_dtype, block_size, block_ends=None):
-    tokens, cols = x.shape
-    count = group_block_count(tokens, group_offs.shape[0] - 1, block_size)
-    scale = x.new_empty((cols // block_size, tokens), dtype=torch.float32).t()
-    scale_t = x.new_empty((count, cols), dtype=torch.float32)
-    return x.new_empty(x.shape, dtype=fp8_dtype), scale, token_major_empty(x, fp8_dtype), scale_t
