@@ -633,22 +633,8 @@ def _grouped_variable_k_sm90_kernel(
 
 @gluon.jit
 def _block_wgrad_consumer(
-    a_desc,
-    b_desc,
-    c_desc,
-    c_ptr,
-    offs_ptr,
-    base_ptr,
-    sl_ptr,
-    sr_ptr,
-    a_bufs,
-    b_bufs,
-    c_smem,
-    ready,
-    empty,
-    G,
-    P,
-    Q,
+    shared,
+    sizes,
     WG: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     GROUP_M: gl.constexpr,
@@ -659,6 +645,22 @@ def _block_wgrad_consumer(
     ``base[g]`` the group's first) before it is added, which leaves nothing in flight; the warpgroups
     run as separate partitions, each releasing a stage on its own, so one scales while the other's wgmma
     runs. Both mask a partial block's B tokens (writing the same bits) and each its own half of A."""
+    (
+        a_desc,
+        b_desc,
+        c_desc,
+        c_ptr,
+        offs_ptr,
+        base_ptr,
+        sl_ptr,
+        sr_ptr,
+        a_bufs,
+        b_bufs,
+        c_smem,
+        ready,
+        empty,
+    ) = shared
+    G, P, Q = sizes
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -734,58 +736,26 @@ def _grouped_block_wgrad_sm90_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    shared = (
+        a_desc,
+        b_desc,
+        c_desc,
+        c_ptr,
+        offs_ptr,
+        base_ptr,
+        sl_ptr,
+        sr_ptr,
+        a_bufs,
+        b_bufs,
+        c_smem,
+        ready,
+        empty,
+    )
+    sizes = (G, P, Q)
     gl.warp_specialize(
         [
-            (
-                _block_wgrad_consumer,
-                (
-                    a_desc,
-                    b_desc,
-                    c_desc,
-                    c_ptr,
-                    offs_ptr,
-                    base_ptr,
-                    sl_ptr,
-                    sr_ptr,
-                    a_bufs,
-                    b_bufs,
-                    c_smem,
-                    ready,
-                    empty,
-                    G,
-                    P,
-                    Q,
-                    0,
-                    ACCUMULATE,
-                    GROUP_M,
-                    NUM_STAGES,
-                ),
-            ),
-            (
-                _block_wgrad_consumer,
-                (
-                    a_desc,
-                    b_desc,
-                    c_desc,
-                    c_ptr,
-                    offs_ptr,
-                    base_ptr,
-                    sl_ptr,
-                    sr_ptr,
-                    a_bufs,
-                    b_bufs,
-                    c_smem,
-                    ready,
-                    empty,
-                    G,
-                    P,
-                    Q,
-                    1,
-                    ACCUMULATE,
-                    GROUP_M,
-                    NUM_STAGES,
-                ),
-            ),
+            (_block_wgrad_consumer, (shared, sizes, 0, ACCUMULATE, GROUP_M, NUM_STAGES)),
+            (_block_wgrad_consumer, (shared, sizes, 1, ACCUMULATE, GROUP_M, NUM_STAGES)),
             (
                 _variable_k_producer,
                 (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, P, Q, GROUP_M, NUM_STAGES, False),
