@@ -646,20 +646,9 @@ def _block_wgrad_consumer(
     run as separate partitions, each releasing a stage on its own, so one scales while the other's wgmma
     runs. Both mask a partial block's B tokens (writing the same bits) and each its own half of A."""
     (
-        a_desc,
-        b_desc,
-        c_desc,
-        c_ptr,
-        offs_ptr,
-        base_ptr,
-        sl_ptr,
-        sr_ptr,
-        a_bufs,
-        b_bufs,
-        c_smem,
-        ready,
-        empty,
-    ) = shared
+        a_desc, b_desc, c_desc, c_ptr, offs_ptr, base_ptr, sl_ptr, sr_ptr,
+        a_bufs, b_bufs, c_smem, ready, empty,
+    ) = shared  # fmt: skip
     G, P, Q = sizes
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -737,20 +726,9 @@ def _grouped_block_wgrad_sm90_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     shared = (
-        a_desc,
-        b_desc,
-        c_desc,
-        c_ptr,
-        offs_ptr,
-        base_ptr,
-        sl_ptr,
-        sr_ptr,
-        a_bufs,
-        b_bufs,
-        c_smem,
-        ready,
-        empty,
-    )
+        a_desc, b_desc, c_desc, c_ptr, offs_ptr, base_ptr, sl_ptr, sr_ptr,
+        a_bufs, b_bufs, c_smem, ready, empty,
+    )  # fmt: skip
     sizes = (G, P, Q)
     gl.warp_specialize(
         [
