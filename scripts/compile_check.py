@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from primus_turbo.triton.gemm import gemm_fp8_block_sm90 as sm90
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
+    from primus_turbo.triton.grouped_gemm import group_quant_kernel as group_quant
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
     from primus_turbo.triton.moe import permute_kernel as permute
     from primus_turbo.triton.moe import router_kernel as router
@@ -443,6 +444,14 @@ def main(argv: list[str] | None = None) -> int:
             torch.empty(7168, 1),
             128,
         ),
+    )
+    offs, ends = torch.tensor([0, 40, 40, 64]), torch.tensor([1, 1, 2])
+    attempt(
+        "quantize fp8 group columns", lambda: group_quant.quantize_fp8_group_columns_triton(y, offs, e4m3)
+    )
+    attempt(
+        "quantize fp8 group blocks",
+        lambda: group_quant.quantize_fp8_group_blocks_triton(y, offs, ends, e4m3, 128, 4),
     )
     e5m2_a = torch.empty(m, k, dtype=e5m2)
     for a_sm90, out_dtype in ((torch.empty(m, k, dtype=e4m3), bf16), (e5m2_a, f32)):
