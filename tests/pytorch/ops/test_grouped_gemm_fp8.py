@@ -280,6 +280,29 @@ def test_blockwise_opcheck_and_compile():
     _assert_compiled_step_matches_eager(a, b, lens, config)
 
 
+def test_autotune_times_balanced_groups_and_keys_by_shape_class():
+    """The FP8 dispatcher, like the bf16 ones, times candidates on evenly split groups of the call's
+    tokens and shares results across routings and batch sizes of one power of two."""
+    lens = _group_lens("skewed", 4, 40)
+    offs = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    tokens = int(lens.sum())
+    qa = torch.zeros(tokens, 32, device=DEVICE).to(torch.float8_e4m3fn)
+    qb = torch.zeros(4, 16, 32, device=DEVICE).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEVICE)
+    kwargs = dict(a=qa, a_scale=one, b=qb, b_scale=one, group_offs=offs, trans_b=True)
+    tuned = impl.GroupedGemmFp8Dispatcher.tuning_kwargs({**kwargs, "out_dtype": torch.bfloat16})
+    expected = torch.div(torch.arange(5, device=DEVICE) * tokens, 4, rounding_mode="floor")
+    assert torch.equal(tuned["group_offs"], expected) and tuned["a"] is qa
+    shape_class = 1 << (tokens - 1).bit_length()
+    keys = {
+        impl.GroupedGemmFp8Dispatcher.make_key(
+            **{**kwargs, "a": torch.zeros(rows, 32, device=DEVICE)}, out_dtype=torch.bfloat16, block_size=0
+        )
+        for rows in (tokens, shape_class, shape_class // 2 + 1)
+    }
+    assert len(keys) == 1
+
+
 def test_bad_input_raises_clear_error():
     lens = _group_lens("balanced", 3, 4)
     a, b, _ = _operands(lens, 32, 16, False, torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 
 from primus_turbo.pytorch.core.cpp_extension import cpp_extension_loaded
 
-__all__ = ["compute_group_offs"]
+__all__ = ["balanced_group_offs", "compute_group_offs", "token_shape_class"]
 
 _HAS_CPP_EXTENSION = cpp_extension_loaded()
 
@@ -25,3 +25,18 @@ def compute_group_offs(group_lens: torch.Tensor) -> torch.Tensor:
     if _HAS_CPP_EXTENSION and group_lens.is_cuda:
         return torch.ops.primus_turbo_cpp_extension.grouped_gemm_compute_offs(group_lens.contiguous())
     return torch.cat([group_lens.new_zeros(1), torch.cumsum(group_lens, 0)])
+
+
+def balanced_group_offs(group_offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Offsets splitting ``tokens`` evenly over ``group_offs``' groups, built on its device without a
+    host sync: what autotuning times, so that one routing's skew does not decide a shape class."""
+    groups = group_offs.numel() - 1
+    return torch.div(
+        torch.arange(groups + 1, device=group_offs.device) * tokens, groups, rounding_mode="floor"
+    )
+
+
+def token_shape_class(tokens: int) -> int:
+    """Tokens rounded up to a power of two: the autotune cache key's token count, shared by every routing
+    and nearby batch size."""
+    return 1 << max(tokens - 1, 0).bit_length()

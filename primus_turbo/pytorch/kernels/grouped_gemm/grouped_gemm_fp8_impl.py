@@ -47,6 +47,7 @@ from primus_turbo.pytorch.core.backend import (
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import balanced_group_offs, token_shape_class
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import expand_scale, tensorwise_multipliers
 from primus_turbo.triton.grouped_gemm import (
     grouped_fp8_scale_block,
@@ -224,8 +225,7 @@ class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
 
     @classmethod
     def make_key(cls, a, a_scale, b, trans_b, out_dtype, block_size, **_: Any) -> Hashable:
-        tokens = 1 << max(a.shape[0] - 1, 0).bit_length()
-        return (a.device.type, tokens, *b.shape, a_scale.dim(), trans_b, block_size)
+        return (a.device.type, token_shape_class(a.shape[0]), *b.shape, a_scale.dim(), trans_b, block_size)
 
     @classmethod
     def default_backend(cls, **kwargs: Any) -> BackendType:
@@ -239,6 +239,10 @@ class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
             return BackendType.TRITON
         usable = HipblasltGroupedGemmFp8Backend.can_handle(**kwargs)
         return BackendType.HIPBLASLT if usable else BackendType.TRITON
+
+    @classmethod
+    def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**kwargs, "group_offs": balanced_group_offs(kwargs["group_offs"], kwargs["a"].shape[0])}
 
 
 @custom_op("primus_turbo::grouped_gemm_fp8", mutates_args=())

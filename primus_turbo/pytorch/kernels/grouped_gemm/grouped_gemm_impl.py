@@ -23,6 +23,7 @@ from primus_turbo.pytorch.core.backend import (
     precision_of,
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import balanced_group_offs, token_shape_class
 from primus_turbo.triton.grouped_gemm import grouped_gemm_triton, grouped_gemm_variable_k_triton
 from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
 
@@ -122,19 +123,6 @@ class HipblasltGroupedGemmBackend(_UnavailableOnCuda):
     """hipBLASLt grouped GEMM (ROCm): not part of this build."""
 
 
-def _shape_class(tokens: int) -> int:
-    """Tokens rounded up to a power of two: autotune results are shared across routing patterns."""
-    return 1 << max(tokens - 1, 0).bit_length()
-
-
-def _balanced_offs(group_offs: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Offsets splitting ``tokens`` evenly over the groups, built on the device (for timing runs)."""
-    groups = group_offs.numel() - 1
-    return torch.div(
-        torch.arange(groups + 1, device=group_offs.device) * tokens, groups, rounding_mode="floor"
-    )
-
-
 class GroupedGemmDispatcher(AutoKernelDispatcher):
     """Backend choice for the grouped GEMM (forward and dgrad)."""
 
@@ -148,7 +136,7 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def make_key(cls, a, b, group_offs, trans_b, **_: Any) -> Hashable:
-        return (a.device.type, _shape_class(a.shape[0]), *b.shape, a.dtype, trans_b)
+        return (a.device.type, token_shape_class(a.shape[0]), *b.shape, a.dtype, trans_b)
 
     @classmethod
     def default_backend(cls, a, b, **_: Any) -> BackendType:
@@ -158,7 +146,7 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {**kwargs, "group_offs": _balanced_offs(kwargs["group_offs"], kwargs["a"].shape[0])}
+        return {**kwargs, "group_offs": balanced_group_offs(kwargs["group_offs"], kwargs["a"].shape[0])}
 
 
 class TorchGroupedGemmVariableKBackend(KernelBackend):
@@ -209,7 +197,7 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def make_key(cls, lhs, rhs, group_offs, out=None, **_: Any) -> Hashable:
-        shape = (_shape_class(lhs.shape[0]), lhs.shape[1], rhs.shape[1], group_offs.numel() - 1)
+        shape = (token_shape_class(lhs.shape[0]), lhs.shape[1], rhs.shape[1], group_offs.numel() - 1)
         return (lhs.device.type, *shape, lhs.dtype, out is not None)
 
     @classmethod
@@ -220,7 +208,7 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
 
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        tuned = {**kwargs, "group_offs": _balanced_offs(kwargs["group_offs"], kwargs["lhs"].shape[0])}
+        tuned = {**kwargs, "group_offs": balanced_group_offs(kwargs["group_offs"], kwargs["lhs"].shape[0])}
         if kwargs.get("out") is not None:
             tuned["out"] = torch.zeros_like(kwargs["out"])
         return tuned
