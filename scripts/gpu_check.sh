@@ -27,6 +27,8 @@
 #   SM90_SWEEP=1        time the Hopper Gluon grouped GEMM kernels' launch candidates against the vendor ops
 #   GROUPED_NCU=1       Nsight Compute (speed of light, memory) of the Gluon grouped FP8 forward and its peer
 #                       under balanced, skewed and alternating 1024/3072 group sizes
+#   GROUPED_HOST=1      kernel time, wall time and cProfile host time per grouped step (bf16 and FP8) at a
+#                       host-bound expert shape (GROUPED_HOST_SHAPE, default Qwen3-30B-A3B fc2 at EP 8)
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -118,6 +120,11 @@ fi
 if [ "${SM90_SWEEP:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_sm90_configs \
     -o "$OUT/grouped_sm90_configs.csv" 2>&1 | tee "$OUT/bench_grouped_sm90_configs.log" || status=1
+fi
+if [ "${GROUPED_HOST:-0}" = 1 ]; then
+  PYTHONPATH=. timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_HOST_SHAPE:-16x2048x2048x768}" \
+    --host --rows 20 > "$OUT/profile_grouped_host.log" 2>&1 || status=1
+  grep -E "step," "$OUT/profile_grouped_host.log"
 fi
 if [ "${GROUPED_NCU:-0}" = 1 ]; then
   PYTHONPATH=. timeout 300 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
