@@ -335,19 +335,25 @@ def _producer(
 
 
 @gluon.jit
-def stage_ring(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr):
+def stage_ring(a_desc, b_desc, c_desc, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 1):
     """Shared memory of a TMA-fed kernel: NUM_STAGES (A, B) stages of the descriptors' block shapes with
-    their ``ready`` / ``empty`` mbarriers, and one output tile."""
+    their ``ready`` / ``empty`` mbarriers, and one output tile. With CONSUMERS > 1 partitions consuming
+    the stages independently, a stage is free once each has arrived, and each gets its own output tile
+    (``c_smem`` [CONSUMERS, ...])."""
     a_shape: gl.constexpr = a_desc.block_type.shape
     b_shape: gl.constexpr = b_desc.block_type.shape
+    c_shape: gl.constexpr = c_desc.block_type.shape
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_shape[0], a_shape[1]], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_shape[0], b_shape[1]], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    if CONSUMERS == 1:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
+    else:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, c_shape[0], c_shape[1]], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     return a_bufs, b_bufs, c_smem, ready, empty
 
 

@@ -714,17 +714,8 @@ def _grouped_block_wgrad_sm90_kernel(
     GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):
-    a_shape: gl.constexpr = a_desc.block_type.shape
-    b_shape: gl.constexpr = b_desc.block_type.shape
-    c_shape: gl.constexpr = c_desc.block_type.shape
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_shape[0], a_shape[1]], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_shape[0], b_shape[1]], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, c_shape[0], c_shape[1]], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    # two consumer warpgroups: a stage is free once both have arrived; each has its own output tile
+    a_bufs, b_bufs, c_smem, ready, empty = stage_ring(a_desc, b_desc, c_desc, NUM_STAGES, 2)
     shared = (
         a_desc, b_desc, c_desc, c_ptr, offs_ptr, base_ptr, sl_ptr, sr_ptr,
         a_bufs, b_bufs, c_smem, ready, empty,
@@ -781,41 +772,20 @@ def grouped_gemm_fp8_variable_k_sm90(
     grid = (min(tiles, num_sms(lhs.device)),)
     operands = (tma_descriptor(lhs.t(), [_TILE, _TILE]), tma_descriptor(rhs.t(), [_TILE, _TILE]))
     out_rows = out.view(groups * p, q)
+    scales = (lhs_scale, rhs_scale, groups, p, q)
+    launch = {"ACCUMULATE": accumulate, "GROUP_M": config.group_m, "NUM_STAGES": config.num_stages}
     try:
-        if block_base is not None:
+        if block_base is not None:  # one 64-row output tile per consumer warpgroup
+            out_desc = tma_descriptor(out_rows, [_TILE // 2, _TILE])
             _grouped_block_wgrad_sm90_kernel[grid](
-                *operands,
-                tma_descriptor(out_rows, [_TILE // 2, _TILE]),
-                out,
-                group_offs,
-                block_base,
-                lhs_scale,
-                rhs_scale,
-                groups,
-                p,
-                q,
-                ACCUMULATE=accumulate,
-                GROUP_M=config.group_m,
-                NUM_STAGES=config.num_stages,
-                num_warps=4,
+                *operands, out_desc, out, group_offs, block_base, *scales, **launch, num_warps=4
             )
         else:
+            out_desc = tma_descriptor(out_rows, [_TILE, _TILE])
             _grouped_variable_k_sm90_kernel[grid](
-                *operands,
-                tma_descriptor(out_rows, [_TILE, _TILE]),
-                out,
-                group_offs,
-                lhs_scale,
-                rhs_scale,
-                groups,
-                p,
-                q,
-                PER_COLUMN=lhs_scale.dim() > 0,
-                ACCUMULATE=accumulate,
-                GROUP_M=config.group_m,
-                NUM_STAGES=config.num_stages,
+                *operands, out_desc, out, group_offs, *scales, PER_COLUMN=lhs_scale.dim() > 0, **launch,
                 num_warps=8,
-            )
+            )  # fmt: skip
     except triton.CompilationError as exc:
         _failed.add((lhs.dtype, rhs.dtype, out.dtype, "variable-k"))
         LOG.warning(
