@@ -30,7 +30,7 @@ import torch
 import triton
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import make_inputs, time_interleaved, timing_stream
+from benchmark.ops.training.bench_utils import graph_timer, make_inputs, time_interleaved, timing_stream
 from benchmark.ops.training.config import GemmShape
 
 LOG = logging.getLogger("bench_gemm_fp8")
@@ -180,7 +180,7 @@ def bench_shape(shape: GemmShape, labels: list[str], args: argparse.Namespace, e
                     peer()
             except (RuntimeError, ValueError) as exc:  # this torch build has no kernel for the case
                 row["Peer"], peer = f"torch._scaled_mm unavailable: {str(exc).splitlines()[0]}"[:80], None
-            graph = args.device == "cuda" and args.timer == "graph"
+            graph = graph_timer(args)
             calls = [low_precision_gemm, lambda: torch.matmul(a.detach(), w.detach().t())]
             with timing_stream(graph):
                 gemm_ms, bf16_ms, *peer_ms = time_interleaved(

@@ -26,6 +26,7 @@ from tabulate import tabulate
 
 from benchmark.ops.training.bench_utils import (
     add_timer_argument,
+    graph_timer,
     make_inputs,
     platform_name,
     time_interleaved,
@@ -162,7 +163,7 @@ def time_against_peer(
     and power reaches both alike; on a CPU (smoke test) they run one after the other. In graph mode the
     forwards whose backward is captured run on the capture's side stream too.
     """
-    graph = args.device == "cuda" and args.timer == "graph"
+    graph = graph_timer(args)
     with timing_stream(graph):
         with torch.no_grad():
             fwd = time_interleaved(

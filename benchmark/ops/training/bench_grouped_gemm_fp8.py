@@ -23,7 +23,7 @@ import torch
 from tabulate import tabulate
 
 from benchmark.ops.training.bench_gemm_fp8 import BLOCK, quant_config
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream
+from benchmark.ops.training.bench_utils import graph_timer, platform_name, time_interleaved, timing_stream
 
 Row = dict[str, Any]
 
@@ -52,7 +52,7 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
     from primus_turbo.pytorch.ops.grouped_gemm_fp8 import _block, _quantize_experts, _quantize_tokens
 
     device = args.device
-    graph = device == "cuda" and args.timer == "graph"
+    graph = graph_timer(args)
     config = quant_config(args.granularity)
     if args.granularity == "blockwise" and (case.k % BLOCK or case.n % BLOCK):
         skip = f"SKIP: K ({case.k}) and N ({case.n}) must be multiples of {BLOCK}"

@@ -26,6 +26,7 @@ from tabulate import tabulate
 
 from benchmark.ops.training.bench_utils import (
     add_timer_argument,
+    graph_timer,
     platform_name,
     time_interleaved,
     timing_stream,
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 err = ((out.float() - reference).norm() / reference.norm()).item()
                 row["Check"] = "PASS" if err < 1e-2 else f"FAIL {err:.1e}"
                 fns = {"turbo": turbo, "peer": peer, "loop": loop}
-                times = time_fwd_bwd(fns, a, b, args.device, args.device == "cuda" and args.timer == "graph")
+                times = time_fwd_bwd(fns, a, b, args.device, graph_timer(args))
                 for key, (fwd_ms, bwd_ms) in times.items():
                     row[f"{key} fwd ms"], row[f"{key} bwd ms"] = fwd_ms, bwd_ms
                 row["Fwd TFLOPS"] = flops / row["turbo fwd ms"] / 1e9

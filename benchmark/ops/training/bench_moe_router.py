@@ -22,7 +22,13 @@ import torch._dynamo.config
 import torch._functorch.config
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
+from benchmark.ops.training.bench_utils import (
+    graph_timer,
+    platform_name,
+    time_interleaved,
+    timing_stream,
+    write_csv,
+)
 from benchmark.ops.training.config import MOE_MODELS
 
 LOG = logging.getLogger("bench_moe_router")
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 "compiled": functools.partial(torch.compile(router_fwd_reference), logits, *plain),
             }
             grads = (torch.randn_like(logits), torch.randn_like(logits))
-            graph = args.device == "cuda" and args.timer == "graph"
+            graph = graph_timer(args)
             try:
                 with timing_stream(graph):
                     with torch.no_grad():

@@ -29,6 +29,7 @@ from tabulate import tabulate
 from benchmark.ops.training.bench_utils import (
     copy_ms,
     cycling,
+    graph_timer,
     platform_name,
     rotation_sets,
     time_interleaved,
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     # buffers forbid; and each case compiles its own composite, more than dynamo's default 8 per frame.
     torch._functorch.config.donated_buffer = False
     torch._dynamo.config.recompile_limit = 256
-    graph = args.device == "cuda" and args.timer == "graph"
+    graph = graph_timer(args)
     copy_gbs = copy_bandwidth(args.device, graph) if args.device == "cuda" else float("nan")
     LOG.info("device copy bandwidth %.0f GB/s on %s", copy_gbs, platform_name(args.device))
     rows = []

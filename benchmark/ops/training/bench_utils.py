@@ -133,6 +133,11 @@ def add_timer_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def graph_timer(args: argparse.Namespace) -> bool:
+    """Whether a benchmark's ``--timer`` asks for CUDA-graph replays and its device can capture them."""
+    return args.device == "cuda" and args.timer == "graph"
+
+
 def time_interleaved(
     fns: Sequence[Callable[[], object]],
     grad_to_none: list[torch.Tensor] | None = None,
