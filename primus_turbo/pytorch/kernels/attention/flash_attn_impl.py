@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from primus_turbo.pytorch.core.backend import (
     AutoKernelDispatcher,
@@ -36,6 +37,8 @@ __all__ = [
     "flash_attn_varlen_bwd_impl",
     "flash_attn_varlen_fwd_impl",
     "resolve_attention_backend",
+    "sdpa_attention",
+    "sdpa_runs",
 ]
 
 
@@ -89,33 +92,77 @@ def _sdpa_covers(q: torch.Tensor, k: torch.Tensor, sink, left: int, right: int) 
     return right < 0 or (right == 0 and q.shape[1] == k.shape[1])
 
 
+# SDPA's own order prefers the flash kernel; on Hopper cuDNN's forward + backward is about 1.8x faster
+# (docs/performance.md), so it goes first and PyTorch falls back along the list.
+_SDPA_PRIORITY = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+_SDPA_FUSED = (
+    torch.backends.cuda.can_use_cudnn_attention,
+    torch.backends.cuda.can_use_flash_attention,
+    torch.backends.cuda.can_use_efficient_attention,
+)
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """The [B, H, S, D] view SDPA takes of a [B, S, H, D] tensor."""
+    return t.transpose(1, 2)
+
+
+def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, right: int) -> bool:
+    """Whether one of SDPA's fused CUDA kernels (cuDNN, flash, memory-efficient) takes this call, so that
+    routing it to SDPA never lands on the math fallback."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    views = [_heads_view(t) for t in (q, k, v)]
+    params = torch.backends.cuda.SDPAParams(*views, None, 0.0, right == 0, q.shape[2] != k.shape[2])
+    return any(usable(params) for usable in _SDPA_FUSED)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, right: int
+) -> torch.Tensor:
+    """Attention through ``scaled_dot_product_attention`` with its own autograd (cuDNN first), for calls
+    ``_sdpa_covers``; the output [B, Sq, Hq, Dv] in q's layout."""
+    with sdpa_kernel(list(_SDPA_PRIORITY), set_priority=True):
+        out = _heads_view(_sdpa(q, k, v, scale, right))
+    if _order(out) == _order(q):
+        return out
+    return empty_in_layout(q, out.shape).copy_(out)
+
+
+def _order(t: torch.Tensor) -> list[int]:
+    """The memory order of the dimensions longer than one, outermost first."""
+    return sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: (-t.stride(d), d))
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, right: int) -> torch.Tensor:
-    """SDPA on [B, H, S, D] views of the [B, S, H, D] inputs (PyTorch picks cuDNN, flash, efficient, math)."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+    """SDPA on [B, H, S, D] views of the [B, S, H, D] inputs; [B, Hq, Sq, Dv]."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        _heads_view(q),
+        _heads_view(k),
+        _heads_view(v),
         is_causal=right == 0,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
-    return out.transpose(1, 2)
 
 
 class TorchAttentionBackend(KernelBackend):
-    """PyTorch. The forward is ``scaled_dot_product_attention`` where that computes the call and the
-    log-sum-exp is not asked for (the lse it returns then holds zeros), else the fp32 math definition.
-    The backward is the math definition (it recomputes P, so it never reads the lse), which materializes
-    the [Sq, Sk] scores per head. Packed sequences run one by one (their lengths are read on the host).
+    """PyTorch. Calls that ``_sdpa_covers`` and that need neither the log-sum-exp nor a deterministic
+    backward run end to end through ``scaled_dot_product_attention`` (``sdpa_attention``, with SDPA's
+    own autograd; the public ops route them there). Everything else runs the fp32 math definition below,
+    forward and backward, which materializes the [Sq, Sk] scores per head: the reference for sinks,
+    windows, packed sequences (run one by one, their lengths read on the host) and the log-sum-exp.
     Any device, any dtype."""
 
     autotune = False
 
     @staticmethod
-    def forward(q, k, v, sink, scale, left, right, out, varlen=None, need_lse=True, **_: Any) -> torch.Tensor:
-        if varlen is None and not need_lse and _sdpa_covers(q, k, sink, left, right):
-            out.copy_(_sdpa(q, k, v, scale, right))
-            return torch.zeros((q.shape[0], q.shape[2], q.shape[1]), device=q.device)  # not computed
+    def forward(q, k, v, sink, scale, left, right, out, varlen=None, **_: Any) -> torch.Tensor:
         if varlen is not None:
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
             for rows_q, rows_k in _sequences(varlen):
@@ -202,7 +249,10 @@ class TritonAttentionBackend(KernelBackend):
 
 
 class AttentionDispatcher(AutoKernelDispatcher):
-    """Backend choice for flash attention; the Triton kernels by default on GPUs."""
+    """Backend choice for flash attention. On GPUs: TORCH (SDPA, cuDNN first) for the calls SDPA runs end
+    to end on a fused kernel, where it is faster than this library's kernels (docs/performance.md); the
+    Triton kernels for the rest (sinks, left windows, causal with Sq != Sk, packed sequences, the
+    log-sum-exp, deterministic mode). TORCH on CPUs."""
 
     op_name = "flash_attn"
     backends = {
@@ -211,17 +261,21 @@ class AttentionDispatcher(AutoKernelDispatcher):
     }
 
     @classmethod
-    def make_key(cls, q, k, v, sink, left, right, varlen=None, **_: Any) -> Hashable:
+    def make_key(cls, q, k, v, sink, left, right, varlen=None, sdpa=False, **_: Any) -> Hashable:
         if varlen is None:
             shape = (*q.shape, *k.shape[1:], v.shape[-1])
         else:  # packed token counts change every batch: key on the longest sequences instead
             lengths = (varlen.max_seqlen_q, varlen.max_seqlen_k)
             shape = ("varlen", *lengths, *q.shape[1:], *k.shape[1:], v.shape[-1])
-        return (q.device.type, *shape, q.dtype, left, right, sink is None)
+        return (q.device.type, *shape, q.dtype, left, right, sink is None, sdpa)
 
     @classmethod
-    def default_backend(cls, q, **_: Any) -> BackendType:
-        return BackendType.TRITON if q.device.type == "cuda" else BackendType.TORCH
+    def default_backend(cls, q, k, v, sink, left, right, varlen=None, sdpa=False, **_: Any) -> BackendType:
+        if q.device.type != "cuda":
+            return BackendType.TORCH
+        if sdpa and varlen is None and _sdpa_covers(q, k, sink, left, right) and _sdpa_fused(q, k, v, right):
+            return BackendType.TORCH
+        return BackendType.TRITON
 
     @classmethod
     def tuning_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -238,11 +292,18 @@ def resolve_attention_backend(
     left: int,
     right: int,
     varlen: Varlen | None = None,
+    sdpa: bool = False,
 ) -> str:
-    """Name of the backend that runs this call's forward and backward."""
+    """Name of the backend that runs this call's forward and backward. ``sdpa``: the caller can run the
+    call end to end through ``sdpa_attention`` (it needs neither the log-sum-exp nor determinism)."""
     choice = GlobalBackendManager.get_attn_backend(precision_of(q.dtype))
-    kwargs = dict(q=q, k=k, v=v, sink=sink, scale=scale, left=left, right=right, varlen=varlen)
+    kwargs = dict(q=q, k=k, v=v, sink=sink, scale=scale, left=left, right=right, varlen=varlen, sdpa=sdpa)
     return AttentionDispatcher.resolve(choice, **kwargs).name
+
+
+def sdpa_runs(backend: str, q: torch.Tensor, k: torch.Tensor, sink, left: int, right: int) -> bool:
+    """Whether a call resolved to ``backend`` goes to ``sdpa_attention``: TORCH and covered by SDPA."""
+    return backend == BackendType.TORCH.name and _sdpa_covers(q, k, sink, left, right)
 
 
 def _backend(name: str) -> type[KernelBackend]:
@@ -259,17 +320,15 @@ def flash_attn_fwd_impl(
     left: int,
     right: int,
     backend: str,
-    need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Sq, Hq, Dv] in q's layout, lse fp32 [B, Hq, Sq]) on the named backend. Without
-    ``need_lse`` the TORCH backend may return zeros for lse: its backward does not read it."""
+    """(out [B, Sq, Hq, Dv] in q's layout, lse fp32 [B, Hq, Sq]) on the named backend."""
     out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
-    lse = _backend(backend).forward(q, k, v, sink, scale, left, right, out, need_lse=need_lse)
+    lse = _backend(backend).forward(q, k, v, sink, scale, left, right, out)
     return out, lse
 
 
 @flash_attn_fwd_impl.register_fake
-def _flash_attn_fwd_fake(q, k, v, sink, scale, left, right, backend, need_lse):
+def _flash_attn_fwd_fake(q, k, v, sink, scale, left, right, backend):
     out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
     return out, q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 

@@ -16,6 +16,8 @@ from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
     flash_attn_varlen_bwd_impl,
     flash_attn_varlen_fwd_impl,
     resolve_attention_backend,
+    sdpa_attention,
+    sdpa_runs,
 )
 from primus_turbo.triton.attention import MAX_HEAD_DIM
 
@@ -43,8 +45,8 @@ def _run(function: type[torch.autograd.Function], forward_op, args: tuple, grads
 
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sink, scale, left, right, backend, need_lse):
-        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend, need_lse)
+    def forward(ctx, q, k, v, sink, scale, left, right, backend):
+        out, lse = call_op(flash_attn_fwd_impl, q, k, v, sink, scale, left, right, backend)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.scale, ctx.left, ctx.right, ctx.backend = scale, left, right, backend
         ctx.mark_non_differentiable(lse)
@@ -68,7 +70,7 @@ class _FlashAttnFunction(torch.autograd.Function):
             ctx.right,
             ctx.backend,
         )
-        return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None, None
+        return dq, dk, dv, (dsink if sink is not None else None), None, None, None, None
 
 
 class _FlashAttnVarlenFunction(torch.autograd.Function):
@@ -176,16 +178,18 @@ def flash_attn_func(
     mask to the bottom-right corner when Sq != Sk; ``window_size=(left, right)`` limits each query to keys
     within ``left`` before and ``right`` after its diagonal (-1: unbounded). ``sink`` is a learned fp32
     logit per query head added to every softmax denominator. Rows that see no key return zeros.
-    The backends never use atomics, so results are deterministic and ``deterministic`` needs no slower
-    path; it is accepted for API compatibility. ``return_lse`` also returns the fp32 log-sum-exp
-    [B, Hq, Sq].
+    ``deterministic`` keeps the call off SDPA's fused kernels (their backward may add with atomics); this
+    library's kernels never use atomics. ``return_lse`` also returns the fp32 log-sum-exp [B, Hq, Sq].
     """
     scale = check_attention_args(q, k, v, dropout_p, softmax_scale, sink)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     left, right = window_bounds(causal, window_size, q.shape[1], k.shape[1])
-    backend = resolve_attention_backend(q, k, v, sink, scale, left, right)
-    args = (q, k, v, sink, scale, left, right, backend, return_lse)
+    sdpa = not (return_lse or deterministic)
+    backend = resolve_attention_backend(q, k, v, sink, scale, left, right, sdpa=sdpa)
+    if sdpa and sdpa_runs(backend, q, k, sink, left, right):
+        return sdpa_attention(q, k, v, scale, right)
+    args = (q, k, v, sink, scale, left, right, backend)
     return _run(_FlashAttnFunction, flash_attn_fwd_impl, args, (q, k, v, sink), return_lse)
 
 
