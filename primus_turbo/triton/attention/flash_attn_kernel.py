@@ -26,20 +26,41 @@ import triton.language as tl
 
 from primus_turbo.triton.utils.device_info import interpreter_active
 
-__all__ = ["FP8_BLOCK", "MAX_HEAD_DIM", "Varlen", "flash_attn_bwd_triton", "flash_attn_fwd_triton"]
+__all__ = [
+    "FP8_BLOCK",
+    "MAX_HEAD_DIM",
+    "Launch",
+    "Varlen",
+    "default_launches",
+    "flash_attn_bwd_triton",
+    "flash_attn_fwd_triton",
+]
 
 MAX_HEAD_DIM = 256
 FP8_BLOCK = 64  # tokens per FP8 scale block: one attention tile
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
-def _blocks(d_qk: int, d_v: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps): square 64 tiles, 32 under the interpreter and for wide heads."""
+class Launch(NamedTuple):
+    """One kernel's tiles: rows of its own operand (queries, or keys for dK/dV) per program, rows of the
+    other per loop step, warps and software-pipeline stages of the loop."""
+
+    block: int
+    step: int
+    warps: int
+    stages: int
+
+
+def default_launches(d_qk: int, d_v: int) -> tuple[Launch, Launch, Launch]:
+    """(forward, dK/dV, dQ) launches: 16-row tiles under the interpreter; narrower steps for wide heads;
+    dK and dV accumulate side by side over 32-row query steps with 8 warps (no spills at d 128 or 192/128,
+    where 64-row steps with 4 warps spilled 680 B)."""
     if interpreter_active():
-        return 16, 16, 4
+        tile = Launch(16, 16, 4, 1)
+        return tile, tile, tile
     if max(d_qk, d_v) > 128:
-        return 64, 32, 8
-    return 64, 64, 4
+        return Launch(64, 32, 8, 3), Launch(32, 32, 8, 3), Launch(64, 32, 8, 3)
+    return Launch(64, 64, 4, 3), Launch(64, 32, 8, 3), Launch(64, 64, 4, 3)
 
 
 @triton.jit
@@ -99,6 +120,152 @@ def _tile(base, rows, row_ok, stride_s, d, D):
 
 
 @triton.jit
+def _full_keys(
+    start_m,
+    seq_q,
+    seq_k,
+    lo,
+    hi,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[b, c) within [lo, hi): the key blocks every row of query block ``start_m`` sees whole (inside the
+    window and the sequence), which run without masks; [lo, b) and [c, hi) need them."""
+    diag = seq_k - seq_q
+    b = lo
+    c = seq_k // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        c = tl.minimum(c, tl.maximum(start_m + diag + WINDOW_RIGHT + 1, 0) // BLOCK_N * BLOCK_N)
+    if HAS_LEFT:
+        b = tl.maximum(
+            b, tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + diag - WINDOW_LEFT, 0), BLOCK_N) * BLOCK_N
+        )
+    b = tl.minimum(b, hi)
+    c = tl.minimum(tl.maximum(c, b), hi)
+    return b, c
+
+
+@triton.jit
+def _full_queries(
+    start_n,
+    seq_q,
+    seq_k,
+    lo,
+    hi,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[b, c) within [lo, hi): the query blocks that see all of key block ``start_n`` (inside the window
+    and both sequences), which run without masks; [lo, b) and [c, hi) need them."""
+    diag = seq_k - seq_q
+    b = lo
+    c = seq_q // BLOCK_M * BLOCK_M
+    if HAS_RIGHT:
+        b = tl.maximum(
+            b, tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag - WINDOW_RIGHT, 0), BLOCK_M) * BLOCK_M
+        )
+    if HAS_LEFT:
+        c = tl.minimum(c, tl.maximum(start_n - diag + WINDOW_LEFT + 1, 0) // BLOCK_M * BLOCK_M)
+    c = tl.where(start_n + BLOCK_N <= seq_k, c, lo)  # a partial key block is masked throughout
+    b = tl.minimum(b, hi)
+    c = tl.minimum(tl.maximum(c, b), hi)
+    return b, c
+
+
+@triton.jit
+def _load_tile(base, rows, row_ok, stride_s, d, D, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """The [rows, d] tile below ``base``; zeros outside the valid rows (MASK_ROWS) and the first D dims."""
+    ptrs = base + rows[:, None].to(tl.int64) * stride_s + d[None, :]
+    if MASK_ROWS:
+        if EVEN_D:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _fwd_keys(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    rows,
+    seq_q,
+    seq_k,
+    stride_ks,
+    stride_vs,
+    D_QK,
+    D_V,
+    scale_log2,
+    ks_ptr,
+    vs_ptr,
+    kv_scales,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    MASK: tl.constexpr,
+    FP8: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Online softmax over key blocks [lo, hi); MASK applies the window and sequence bounds (the blocks
+    ``_full_keys`` leaves out), where a row may also see no key at all."""
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_k
+        k = tl.trans(_load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, MASK, EVEN_D))
+        v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, MASK, EVEN_D)
+        if FP8:
+            s = tl.dot(q, k) * (scale_log2 * tl.load(ks_ptr + kv_scales + start_n // BLOCK_N))
+        else:
+            s = tl.dot(q, k) * scale_log2
+        if MASK:
+            s = tl.where(
+                _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT),
+                s,
+                float("-inf"),
+            )
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = m_new
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP8:
+            # P in [0, 1] times the largest power of two the FP8 type holds (256 for E4M3FN, 128 for
+            # E4M3FNUZ) keeps small probabilities out of its subnormal range
+            v_scale = tl.load(vs_ptr + kv_scales + start_n // BLOCK_N) / P_SCALE
+            acc = acc * alpha[:, None] + tl.dot((p * P_SCALE).to(v.dtype), v) * v_scale
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr,
     k_ptr,
@@ -140,10 +307,12 @@ def _attn_fwd_kernel(
     HAS_SINK: tl.constexpr,
     FP8: tl.constexpr,
     P_SCALE: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)  # batch x heads on axis 0: its limit is 2^31 - 1, axis 1's only 65535
     start_m = tl.program_id(1) * BLOCK_M
@@ -156,12 +325,11 @@ def _attn_fwd_kernel(
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     row_ok = rows < seq_q
-    q_ptrs, q_mask = _tile(
-        _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs), rows, row_ok, stride_qs, d_qk, D_QK
-    )
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
+    q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, True, EVEN_D)
     k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
     v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
+    kv_scales = 0
     if FP8:  # one scale per (batch, head, 64-token block) of q, k and v; a tile is one block
         q_blocks = tl.cdiv(S_Q, BLOCK_M)
         k_blocks = tl.cdiv(S_K, BLOCK_N)
@@ -178,36 +346,21 @@ def _attn_fwd_kernel(
         start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     hi = tl.where(start_m < seq_q, hi, lo)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_k
-        k = tl.load(
-            k_base + cols[None, :].to(tl.int64) * stride_ks + d_qk[:, None],
-            mask=col_ok[None, :] & (d_qk < D_QK)[:, None],
-            other=0.0,
-        )
-        v_ptrs, v_mask = _tile(v_base, cols, col_ok, stride_vs, d_v, D_V)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-        if FP8:
-            s = tl.dot(q, k) * (scale_log2 * tl.load(ks_ptr + kv_scales + start_n // BLOCK_N))
+    full_lo, full_hi = _full_keys(
+        start_m, seq_q, seq_k, lo, hi, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
+    for part in tl.static_range(3):  # masked blocks left of the whole ones, the whole ones, masked right
+        if part == 0:
+            first, last = lo, full_lo
+        elif part == 1:
+            first, last = full_lo, full_hi
         else:
-            s = tl.dot(q, k) * scale_log2
-        s = tl.where(
-            _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT), s, float("-inf")
-        )
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8:
-            # P in [0, 1] times the largest power of two the FP8 type holds (256 for E4M3FN, 128 for
-            # E4M3FNUZ) keeps small probabilities out of its subnormal range
-            v_scale = tl.load(vs_ptr + kv_scales + start_n // BLOCK_N) / P_SCALE
-            acc = acc * alpha[:, None] + tl.dot((p * P_SCALE).to(v.dtype), v) * v_scale
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            first, last = full_hi, hi
+        acc, m_i, l_i = _fwd_keys(
+            acc, m_i, l_i, q, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs, D_QK,
+            D_V, scale_log2, ks_ptr, vs_ptr, kv_scales, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT,
+            part != 1, FP8, P_SCALE, EVEN_D, BLOCK_N, BLOCK_DQK, BLOCK_DV, NUM_STAGES,
+        )  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_ptrs, o_mask = _tile(
@@ -216,6 +369,64 @@ def _attn_fwd_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / _LOG2E, float("-inf"))
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0 + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_queries(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_ptr,
+    delta_ptr,
+    lo,
+    hi,
+    cols,
+    seq_q,
+    seq_k,
+    stride_qs,
+    stride_dos,
+    D_QK,
+    D_V,
+    scale_log2,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """dK and dV of one key block over query blocks [lo, hi) of one head; MASK as in ``_fwd_keys``."""
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < seq_q
+        q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, MASK, EVEN_D)
+        do = _load_tile(do_base, rows, row_ok, stride_dos, d_v, D_V, MASK, EVEN_D)
+        s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
+        if MASK:
+            lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))
+            delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+            # rows that saw no key have lse = -inf: their P is 0, not exp(-inf + inf)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+            band = tl.trans(_band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT))
+            p_t = tl.where(band, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+        else:
+            lse2 = tl.load(lse_ptr + rows) * _LOG2E
+            delta = tl.load(delta_ptr + rows)
+            p_t = tl.math.exp2(s_t - lse2[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
 
 
 @triton.jit
@@ -263,10 +474,12 @@ def _attn_bwd_dkdv_kernel(
     VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     bhk = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
@@ -278,14 +491,10 @@ def _attn_bwd_dkdv_kernel(
     col_ok = cols < seq_k
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
-    k_ptrs, k_mask = _tile(
-        _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks), cols, col_ok, stride_ks, d_qk, D_QK
-    )
-    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    v_ptrs, v_mask = _tile(
-        _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs), cols, col_ok, stride_vs, d_v, D_V
-    )
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
+    k = _load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, True, EVEN_D)
+    v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
+    v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, True, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # queries that may see this key block: i in [j - diag - right, j - diag + left]
@@ -297,30 +506,27 @@ def _attn_bwd_dkdv_kernel(
     if HAS_LEFT:
         q_hi = tl.minimum(seq_q, tl.maximum(start_n + BLOCK_N - diag + WINDOW_LEFT, 0))
     q_hi = tl.where(start_n < seq_k, q_hi, q_lo)
+    full_lo, full_hi = _full_queries(
+        start_n, seq_q, seq_k, q_lo, q_hi, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
     scale_log2 = scale * _LOG2E
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
         do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
-        stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
-        for start_m in range(q_lo, q_hi, BLOCK_M):
-            rows = start_m + tl.arange(0, BLOCK_M)
-            row_ok = rows < seq_q
-            q_ptrs, q_mask = _tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK)
-            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-            do_ptrs, do_mask = _tile(do_base, rows, row_ok, stride_dos, d_v, D_V)
-            do = tl.load(do_ptrs, mask=do_mask, other=0.0)
-            lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
-            delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
-            # rows that saw no key have lse = -inf: their P is 0, not exp(-inf + inf)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-            s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
-            band = tl.trans(_band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT))
-            p_t = tl.where(band, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dp_t = tl.dot(v, tl.trans(do))
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
+        stat = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
+        for part in tl.static_range(3):  # masked query blocks, the whole ones, masked again
+            if part == 0:
+                first, last = q_lo, full_lo
+            elif part == 1:
+                first, last = full_lo, full_hi
+            else:
+                first, last = full_hi, q_hi
+            dk, dv = _dkdv_queries(
+                dk, dv, k, v, q_base, do_base, lse_ptr + stat, delta_ptr + stat, first, last, cols, seq_q,
+                seq_k, stride_qs, stride_dos, D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT,
+                HAS_RIGHT, part != 1, EVEN_D, BLOCK_M, BLOCK_DQK, BLOCK_DV, NUM_STAGES,
+            )  # fmt: skip
     dk = dk * scale
     dk_ptrs, dk_mask = _tile(
         _head(dk_ptr, b, hk, k0, stride_dkb, stride_dkh, stride_dks), cols, col_ok, stride_dks, d_qk, D_QK
@@ -330,6 +536,56 @@ def _attn_bwd_dkdv_kernel(
         _head(dv_ptr, b, hk, k0, stride_dvb, stride_dvh, stride_dvs), cols, col_ok, stride_dvs, d_v, D_V
     )
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=dv_mask)
+
+
+@triton.jit
+def _dq_keys(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    rows,
+    seq_q,
+    seq_k,
+    stride_ks,
+    stride_vs,
+    D_QK,
+    D_V,
+    scale_log2,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """dQ of one query block over key blocks [lo, hi); MASK as in ``_fwd_keys``."""
+    d_qk = tl.arange(0, BLOCK_DQK)
+    d_v = tl.arange(0, BLOCK_DV)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols < seq_k
+        k = _load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, MASK, EVEN_D)
+        v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, MASK, EVEN_D)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if MASK:
+            band = _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(band, tl.math.exp2(s - lse2[:, None]), 0.0)
+        else:
+            p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
 
 
 @triton.jit
@@ -372,10 +628,12 @@ def _attn_bwd_dq_kernel(
     VARLEN: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)  # batch x heads on axis 0: its limit is 2^31 - 1, axis 1's only 65535
     start_m = tl.program_id(1) * BLOCK_M
@@ -388,14 +646,10 @@ def _attn_bwd_dq_kernel(
     row_ok = rows < seq_q
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
-    q_ptrs, q_mask = _tile(
-        _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs), rows, row_ok, stride_qs, d_qk, D_QK
-    )
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    do_ptrs, do_mask = _tile(
-        _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos), rows, row_ok, stride_dos, d_v, D_V
-    )
-    do = tl.load(do_ptrs, mask=do_mask, other=0.0)
+    q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
+    q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, True, EVEN_D)
+    do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
+    do = _load_tile(do_base, rows, row_ok, stride_dos, d_v, D_V, True, EVEN_D)
     stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
     lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
     delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
@@ -408,19 +662,21 @@ def _attn_bwd_dq_kernel(
         start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     hi = tl.where(start_m < seq_q, hi, lo)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_k
-        k_ptrs, k_mask = _tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK)
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-        v_ptrs, v_mask = _tile(v_base, cols, col_ok, stride_vs, d_v, D_V)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        band = _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
-        p = tl.where(band, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    full_lo, full_hi = _full_keys(
+        start_m, seq_q, seq_k, lo, hi, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
+    for part in tl.static_range(3):  # as in the forward
+        if part == 0:
+            first, last = lo, full_lo
+        elif part == 1:
+            first, last = full_lo, full_hi
+        else:
+            first, last = full_hi, hi
+        dq = _dq_keys(
+            dq, q, do, lse2, delta, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs,
+            D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, part != 1, EVEN_D, BLOCK_N,
+            BLOCK_DQK, BLOCK_DV, NUM_STAGES,
+        )  # fmt: skip
     dq = dq * scale
     dq_ptrs, dq_mask = _tile(
         _head(dq_ptr, b, h, q0, stride_dqb, stride_dqh, stride_dqs), rows, row_ok, stride_dqs, d_qk, D_QK
@@ -459,6 +715,13 @@ def _bounded(window: int, s_q: int, s_k: int) -> int:
     return -1 if window >= s_q + s_k else window
 
 
+def _head_dims(d_qk: int, d_v: int) -> dict[str, int | bool]:
+    """Head-dimension tile widths (powers of two, at least 16) and whether they equal the head dims, so
+    that loads need no mask along them."""
+    block_qk, block_v = max(16, triton.next_power_of_2(d_qk)), max(16, triton.next_power_of_2(d_v))
+    return dict(BLOCK_DQK=block_qk, BLOCK_DV=block_v, EVEN_D=(block_qk, block_v) == (d_qk, d_v))
+
+
 def _packing(varlen: Varlen | None, lse: torch.Tensor) -> tuple:
     """(cu_q, cu_k, lse batch stride, lse head stride, VARLEN) kernel arguments."""
     if varlen is None:
@@ -477,13 +740,14 @@ def flash_attn_fwd_triton(
     out: torch.Tensor,
     varlen: Varlen | None = None,
     fp8_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` [B, Sq, Hq, Dv] (any layout; packed [T, Hq, Dv] with ``varlen``) and return the
     natural-log ``lse``, fp32 [B, Hq, Sq] (packed: [Hq, T]).
 
     With ``fp8_scales`` (dense only) q, k and v are FP8 and the scales are the fp32 ``scale_inv`` of each
     ``FP8_BLOCK``-token block per head: [B, Hq, ceil(Sq / FP8_BLOCK)] for q, [B, Hkv, ...] for k and v;
-    both products run on FP8 operands."""
+    both products run on FP8 operands. ``launch`` overrides the tiles (tuning)."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
     window_left, window_right = _bounded(window_left, s_q, s_k), _bounded(window_right, s_q, s_k)
     shape = (h_q, q.shape[0]) if varlen is not None else (b, h_q, s_q)
@@ -491,10 +755,10 @@ def flash_attn_fwd_triton(
     if lse.numel() == 0 or b * s_q == 0:
         return lse
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
-    block_m, block_n, warps = _blocks(d_qk, d_v)
+    tiles = launch or default_launches(d_qk, d_v)[0]
     if fp8_scales is not None:
-        block_m = block_n = FP8_BLOCK
-    grid = (b * h_q, triton.cdiv(s_q, block_m))
+        tiles = tiles._replace(block=FP8_BLOCK, step=FP8_BLOCK)
+    grid = (b * h_q, triton.cdiv(s_q, tiles.block))
     _attn_fwd_kernel[grid](
         q,
         k,
@@ -526,11 +790,11 @@ def flash_attn_fwd_triton(
         HAS_SINK=sink is not None,
         FP8=fp8_scales is not None,
         P_SCALE=2.0 ** math.floor(math.log2(torch.finfo(v.dtype).max)) if fp8_scales is not None else 1.0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_DQK=max(16, triton.next_power_of_2(d_qk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
-        num_warps=warps,
+        BLOCK_M=tiles.block,
+        BLOCK_N=tiles.step,
+        NUM_STAGES=tiles.stages,
+        num_warps=tiles.warps,
+        **_head_dims(d_qk, d_v),
     )
     return lse
 
@@ -549,37 +813,29 @@ def flash_attn_bwd_triton(
     dk: torch.Tensor,
     dv: torch.Tensor,
     varlen: Varlen | None = None,
+    launch: tuple[Launch, Launch] | None = None,
 ) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (layouts of q, k, v) from the saved ``lse`` and ``delta`` = rowsum(dO * O),
-    both fp32 and shaped like the forward's ``lse``."""
+    both fp32 and shaped like the forward's ``lse``. ``launch`` overrides the (dK/dV, dQ) tiles (tuning)."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
     window_left, window_right = _bounded(window_left, s_q, s_k), _bounded(window_right, s_q, s_k)
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
-    block_m, block_n, warps = _blocks(d_qk, d_v)
-    blocks = dict(
-        VARLEN=packed,
-        HAS_LEFT=window_left >= 0,
-        HAS_RIGHT=window_right >= 0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_DQK=max(16, triton.next_power_of_2(d_qk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
-        num_warps=warps,
+    dkdv, dq_tiles = launch or default_launches(d_qk, d_v)[1:]
+    flags = dict(
+        VARLEN=packed, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, **_head_dims(d_qk, d_v)
     )
     if s_k and b * h_kv:
-        # dK and dV accumulate side by side over 32-row query blocks with 8 warps: no spills at d 128
-        # or 192/128 (compile_check), where 64-row blocks with 4 warps spilled 680 B
-        dkdv_blocks = blocks if interpreter_active() else {**blocks, "BLOCK_M": 32, "num_warps": 8}
-        _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(s_k, block_n))](
+        _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(s_k, dkdv.block))](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv), stride_lb, stride_lh,
             h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
-            **dkdv_blocks,
+            BLOCK_M=dkdv.step, BLOCK_N=dkdv.block, NUM_STAGES=dkdv.stages, num_warps=dkdv.warps, **flags,
         )  # fmt: skip
     if s_q and b * h_q:
-        _attn_bwd_dq_kernel[(b * h_q, triton.cdiv(s_q, block_m))](
+        _attn_bwd_dq_kernel[(b * h_q, triton.cdiv(s_q, dq_tiles.block))](
             q, k, v, do, lse, delta, dq, cu_q, cu_k,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq), stride_lb, stride_lh,
             h_q, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
-            **blocks,
+            BLOCK_M=dq_tiles.block, BLOCK_N=dq_tiles.step, NUM_STAGES=dq_tiles.stages,
+            num_warps=dq_tiles.warps, **flags,
         )  # fmt: skip

@@ -1,0 +1,141 @@
+"""Time tile choices of the Triton flash-attention kernels against SDPA with the cuDNN backend.
+
+A tuning aid like ``bench_norm_act_configs``: for causal bf16 attention at the config models' head shapes,
+every forward ``Launch`` candidate runs next to SDPA-cuDNN's forward, and every dK/dV and dQ candidate
+(the other kernel at its default) next to SDPA-cuDNN's backward (its forward + backward less its
+forward), interleaved call by call with CUDA events (L2 flushed). Each candidate's outputs are checked
+against the default launch's.
+
+Example::
+
+    python -m benchmark.ops.training.bench_attention_configs --seqs 4096,8192 -o attention_configs.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+
+import torch
+from tabulate import tabulate
+
+from benchmark.ops.training.bench_attention_turbo import causal_flops, sdpa_call
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
+
+LOG = logging.getLogger("bench_attention_configs")
+
+# (Hq, Hkv, Dqk, Dv): Llama-3-8B / Mixtral-8x7B and DeepSeek-V3's MLA
+SHAPES = [(32, 8, 128, 128), (128, 128, 192, 128)]
+# Launch(block, step, warps, stages) candidates per kernel; None is the launcher's default
+FWD = {
+    128: [None, (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3)],
+    192: [None, (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3)],
+}
+DKDV = {
+    128: [None, (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (64, 32, 4, 3)],
+    192: [None, (64, 32, 8, 3), (64, 32, 8, 2), (32, 64, 4, 3), (64, 64, 8, 2)],
+}
+DQ = {
+    128: [None, (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)],
+    192: [None, (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 3), (128, 64, 8, 2)],
+}
+
+
+def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
+    from primus_turbo.triton.attention.flash_attn_kernel import (
+        Launch,
+        default_launches,
+        flash_attn_bwd_triton,
+        flash_attn_fwd_triton,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+
+    def make(h, d):
+        return torch.randn(1, seq, h, d, generator=gen, dtype=torch.bfloat16).cuda()
+
+    q, k, v, do = make(h_q, d_qk), make(h_kv, d_qk), make(h_kv, d_v), make(h_q, d_v)
+    scale = d_qk**-0.5
+    out = torch.empty_like(do)
+    lse = flash_attn_fwd_triton(q, k, v, None, scale, -1, 0, out)
+    delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).contiguous()
+    flops = causal_flops(seq, h_q, d_qk, d_v, 1)
+    default_fwd, default_dkdv, default_dq = default_launches(d_qk, d_v)
+    wide = 192 if max(d_qk, d_v) > 128 else 128
+
+    def forward(launch):
+        o = torch.empty_like(out)
+        flash_attn_fwd_triton(q, k, v, None, scale, -1, 0, o, launch=launch)
+        return o
+
+    def backward(launches):
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        flash_attn_bwd_triton(do, q, k, v, lse, delta, scale, -1, 0, *grads, launch=launches)
+        return grads
+
+    cudnn = sdpa_call("CUDNN_ATTENTION", *(t.detach().requires_grad_() for t in (q, k, v)))
+    grad = do
+
+    def cudnn_step():
+        cudnn().backward(grad)
+
+    rows = []
+    kernels = [
+        ("fwd", FWD[wide], lambda c: Launch(*c), forward, 2.0),
+        ("dkdv", DKDV[wide], lambda c: (Launch(*c), default_dq), backward, 5.0),
+        ("dq", DQ[wide], lambda c: (default_dkdv, Launch(*c)), backward, 5.0),
+    ]
+    with torch.no_grad():
+        (cudnn_fwd,) = time_interleaved([cudnn], None, "cuda")
+    (cudnn_step_ms,) = time_interleaved([cudnn_step], None, "cuda")
+    for kernel, candidates, launch_of, run, matmuls in kernels:
+        launches = [launch_of(c) if c else None for c in candidates]
+        reference = run(None)
+        same = []
+        for launch in launches:
+            result = run(launch)
+            pairs = zip(result, reference, strict=True) if kernel != "fwd" else [(result, reference)]
+            same.append(all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in pairs))
+        times = time_interleaved([functools.partial(run, launch) for launch in launches], None, "cuda")
+        peer = cudnn_fwd if kernel == "fwd" else cudnn_step_ms - cudnn_fwd
+        default = {"fwd": default_fwd, "dkdv": default_dkdv, "dq": default_dq}[kernel]
+        for candidate, ms, ok in zip(candidates, times, same, strict=True):
+            label = str(tuple(candidate or default)) + ("" if candidate else " default")
+            row = {"Kernel": kernel, "Hq": h_q, "Hkv": h_kv, "Dqk": d_qk, "Dv": d_v, "Seq": seq}
+            row.update({"Launch (block, step, warps, stages)": label, "ms": ms})
+            # forward: QK^T and PV; backward: QK^T, dP, dV, dK, dQ (either kernel's time is the whole pass)
+            row.update({"TFLOPS": matmuls / 2 * flops / ms / 1e9, "cuDNN ms": peer, "vs cuDNN": peer / ms})
+            row.update({"Same as default": ok, "Platform": platform_name("cuda")})
+            rows.append(row)
+            LOG.info("%s", row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
+    p.add_argument("-o", "--output", default="attention_configs.csv")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    rows = []
+    for shape in SHAPES:
+        for seq in (int(s) for s in args.seqs.split(",")):
+            rows += _rows(seq, *shape)
+    columns = [
+        "Kernel",
+        "Hq",
+        "Dqk",
+        "Seq",
+        "Launch (block, step, warps, stages)",
+        "ms",
+        "TFLOPS",
+        "vs cuDNN",
+    ]
+    columns.append("Same as default")
+    print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
+    write_csv(args.output, rows)
+
+
+if __name__ == "__main__":
+    main()
