@@ -60,8 +60,8 @@ class BackendType(Enum):
     FLYDSL = "FLYDSL"
     TORCH = "TORCH"
 
-    # Members are singletons compared by identity; Enum's own hash runs Python code on every dispatch.
-    __hash__ = object.__hash__
+    # Enum's own __hash__ stays: torch 2.11's dynamo refuses to hash enums that override it, and attention
+    # resolves its backend in traced code (compile tests on the GPU).
 
 
 class PrecisionType(Enum):
@@ -70,8 +70,6 @@ class PrecisionType(Enum):
     FP4 = "FP4"
     FP8 = "FP8"
     BF16_FP16_FP32 = "BF16_FP16_FP32"
-
-    __hash__ = object.__hash__
 
 
 _PRECISION_NAMES: dict[str, PrecisionType | None] = {

@@ -52,15 +52,15 @@ class Launch(NamedTuple):
 
 
 def default_launches(d_qk: int, d_v: int) -> tuple[Launch, Launch, Launch]:
-    """(forward, dK/dV, dQ) launches: 16-row tiles under the interpreter; narrower steps for wide heads;
-    dK and dV accumulate side by side over 32-row query steps with 8 warps (no spills at d 128 or 192/128,
-    where 64-row steps with 4 warps spilled 680 B)."""
+    """(forward, dK/dV, dQ) launches: 16-row tiles under the interpreter; else the fastest of
+    ``bench_attention_configs`` on an H200 at 4096 and 8192 tokens (docs/performance.md), with narrower key
+    steps for heads wider than 128."""
     if interpreter_active():
         tile = Launch(16, 16, 4, 1)
         return tile, tile, tile
     if max(d_qk, d_v) > 128:
-        return Launch(64, 32, 8, 3), Launch(32, 32, 8, 3), Launch(64, 32, 8, 3)
-    return Launch(64, 64, 4, 3), Launch(64, 32, 8, 3), Launch(64, 64, 4, 3)
+        return Launch(128, 32, 8, 3), Launch(64, 64, 8, 2), Launch(128, 64, 8, 2)
+    return Launch(128, 64, 8, 3), Launch(64, 32, 4, 3), Launch(128, 64, 8, 3)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ Window convention (both backends): query ``i`` sees key ``j`` when
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -117,8 +118,28 @@ def _sdpa_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, right: int) -
     routing it to SDPA never lands on the math fallback."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    views = [_heads_view(t) for t in (q, k, v)]
-    params = torch.backends.cuda.SDPAParams(*views, None, 0.0, right == 0, q.shape[2] != k.shape[2])
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _sdpa_fused_for(index, q.dtype, q.shape[2], k.shape[2], q.shape[3], v.shape[3], right == 0)
+
+
+@torch.compiler.assume_constant_result
+def _sdpa_fused_for(
+    index: int, dtype: torch.dtype, h_q: int, h_kv: int, d_qk: int, d_v: int, causal: bool
+) -> bool:
+    """``_sdpa_fused`` by head shape (dynamo cannot build ``SDPAParams``, so compiled code takes the
+    answer as a constant)."""
+    return _sdpa_fused_cached(index, dtype, h_q, h_kv, d_qk, d_v, causal)
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_fused_cached(
+    index: int, dtype: torch.dtype, h_q: int, h_kv: int, d_qk: int, d_v: int, causal: bool
+) -> bool:
+    q, k, v = (
+        torch.empty(1, h, 128, d, dtype=dtype, device=torch.device("cuda", index))
+        for h, d in ((h_q, d_qk), (h_kv, d_qk), (h_kv, d_v))
+    )
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, h_q != h_kv)
     return any(usable(params) for usable in _SDPA_FUSED)
 
 
