@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                 q,
                 k,
                 v,
-                stats,
+                o,
                 stats,
                 0.1,
                 -1,

@@ -59,7 +59,6 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
     scale = d_qk**-0.5
     out = torch.empty_like(do)
     lse = flash_attn_fwd_triton(q, k, v, None, scale, -1, 0, out)
-    delta = (do.float() * out.float()).sum(-1).permute(0, 2, 1).contiguous()
     flops = causal_flops(seq, h_q, d_qk, d_v, 1)
     default_fwd, default_dkdv, default_dq = default_launches(d_qk, d_v)
     wide = 192 if max(d_qk, d_v) > 128 else 128
@@ -71,7 +70,7 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
 
     def backward(launches):
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        flash_attn_bwd_triton(do, q, k, v, lse, delta, scale, -1, 0, *grads, launch=launches)
+        flash_attn_bwd_triton(do, q, k, v, out, lse, scale, -1, 0, *grads, launch=launches)
         return grads
 
     cudnn = sdpa_call("CUDNN_ATTENTION", *(t.detach().requires_grad_() for t in (q, k, v)))

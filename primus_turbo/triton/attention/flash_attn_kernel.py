@@ -593,6 +593,7 @@ def _attn_bwd_dq_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    o_ptr,
     do_ptr,
     lse_ptr,
     delta_ptr,
@@ -608,6 +609,9 @@ def _attn_bwd_dq_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
     stride_dob,
     stride_dos,
     stride_doh,
@@ -650,9 +654,13 @@ def _attn_bwd_dq_kernel(
     q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, True, EVEN_D)
     do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
     do = _load_tile(do_base, rows, row_ok, stride_dos, d_v, D_V, True, EVEN_D)
+    o = _load_tile(_head(o_ptr, b, h, q0, stride_ob, stride_oh, stride_os), rows, row_ok, stride_os, d_v, D_V,
+                   True, EVEN_D)  # fmt: skip
+    # delta = rowsum(dO * O) of these rows, written here for the dK/dV kernel that runs next
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     stat_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
+    tl.store(delta_ptr + stat_base + rows, delta, mask=row_ok)
     lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=float("-inf"))
-    delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     scale_log2 = scale * _LOG2E
     k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
@@ -804,8 +812,8 @@ def flash_attn_bwd_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     scale: float,
     window_left: int,
     window_right: int,
@@ -814,16 +822,27 @@ def flash_attn_bwd_triton(
     dv: torch.Tensor,
     varlen: Varlen | None = None,
     launch: tuple[Launch, Launch] | None = None,
-) -> None:
-    """Fill ``dq``, ``dk``, ``dv`` (layouts of q, k, v) from the saved ``lse`` and ``delta`` = rowsum(dO * O),
-    both fp32 and shaped like the forward's ``lse``. ``launch`` overrides the (dK/dV, dQ) tiles (tuning)."""
+) -> torch.Tensor:
+    """Fill ``dq``, ``dk``, ``dv`` (layouts of q, k, v) from the forward's ``out`` and fp32 ``lse``, and
+    return ``delta`` = rowsum(dO * O), fp32 and shaped like ``lse``. The dQ kernel runs first and writes
+    delta for the dK/dV kernel, so no pass of its own reads O and dO. ``launch`` overrides the (dK/dV, dQ)
+    tiles (tuning)."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
     window_left, window_right = _bounded(window_left, s_q, s_k), _bounded(window_right, s_q, s_k)
+    delta = torch.empty_like(lse)
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
     dkdv, dq_tiles = launch or default_launches(d_qk, d_v)[1:]
     flags = dict(
         VARLEN=packed, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, **_head_dims(d_qk, d_v)
     )
+    if s_q and b * h_q:
+        _attn_bwd_dq_kernel[(b * h_q, triton.cdiv(s_q, dq_tiles.block))](
+            q, k, v, out, do, lse, delta, dq, cu_q, cu_k,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out), *_bsh(do), *_bsh(dq), stride_lb, stride_lh,
+            h_q, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
+            BLOCK_M=dq_tiles.block, BLOCK_N=dq_tiles.step, NUM_STAGES=dq_tiles.stages,
+            num_warps=dq_tiles.warps, **flags,
+        )  # fmt: skip
     if s_k and b * h_kv:
         _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(s_k, dkdv.block))](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
@@ -831,11 +850,4 @@ def flash_attn_bwd_triton(
             h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
             BLOCK_M=dkdv.step, BLOCK_N=dkdv.block, NUM_STAGES=dkdv.stages, num_warps=dkdv.warps, **flags,
         )  # fmt: skip
-    if s_q and b * h_q:
-        _attn_bwd_dq_kernel[(b * h_q, triton.cdiv(s_q, dq_tiles.block))](
-            q, k, v, do, lse, delta, dq, cu_q, cu_k,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dq), stride_lb, stride_lh,
-            h_q, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
-            BLOCK_M=dq_tiles.block, BLOCK_N=dq_tiles.step, NUM_STAGES=dq_tiles.stages,
-            num_warps=dq_tiles.warps, **flags,
-        )  # fmt: skip
+    return delta

@@ -259,9 +259,7 @@ class TritonAttentionBackend(KernelBackend):
 
     @staticmethod
     def backward(do, q, k, v, out, lse, sink, scale, left, right, dq, dk, dv, varlen=None, **_: Any):
-        rowsum = (do.float() * out.float()).sum(-1)  # [B, Sq, Hq], or [T, Hq] packed
-        delta = (rowsum.t() if varlen is not None else rowsum.permute(0, 2, 1)).contiguous()
-        flash_attn_bwd_triton(do, q, k, v, lse, delta, scale, left, right, dq, dk, dv, varlen)
+        delta = flash_attn_bwd_triton(do, q, k, v, out, lse, scale, left, right, dq, dk, dv, varlen)
         if varlen is not None:  # the sink gradient sums over the packed tokens as over a batch
             return _sink_grad(sink, lse[None], delta[None])
         return _sink_grad(sink, lse, delta)
