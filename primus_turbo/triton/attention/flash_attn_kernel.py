@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from primus_turbo.triton.utils.device_info import interpreter_active
+from primus_turbo.triton.utils.device_info import interpreter_active, num_sms
 
 __all__ = [
     "FP8_BLOCK",
@@ -84,6 +84,14 @@ def _key_range(
     if HAS_LEFT:
         lo = tl.maximum(start_m + diag - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
     return lo, hi
+
+
+@triton.jit
+def _longest_first(pid, programs):
+    """The query block a program takes: the last first. The grid starts programs in order, and with a
+    causal mask the last query blocks see the most keys, so the longest programs start first and short
+    ones fill the tail."""
+    return programs - 1 - pid
 
 
 @triton.jit
@@ -315,7 +323,8 @@ def _attn_fwd_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)  # batch x heads on axis 0: its limit is 2^31 - 1, axis 1's only 65535
-    start_m = tl.program_id(1) * BLOCK_M
+    m_block = _longest_first(tl.program_id(1), tl.num_programs(1))
+    start_m = m_block * BLOCK_M
     b = bh // H_Q
     h = bh % H_Q
     hk = h // GROUP
@@ -334,7 +343,7 @@ def _attn_fwd_kernel(
         q_blocks = tl.cdiv(S_Q, BLOCK_M)
         k_blocks = tl.cdiv(S_K, BLOCK_N)
         kv_scales = (b * (H_Q // GROUP) + hk).to(tl.int64) * k_blocks
-        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + tl.program_id(1))
+        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + m_block)
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32) * _LOG2E
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
@@ -475,6 +484,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     EVEN_D: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -482,11 +492,81 @@ def _attn_bwd_dkdv_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     bhk = tl.program_id(0)
-    start_n = tl.program_id(1) * BLOCK_N
+    pid_n = tl.program_id(1)
     b = bhk // H_KV
     hk = bhk % H_KV
     q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
     k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
+    if PAIRED:  # key blocks n and last - n: under a causal mask their query counts add up to a constant
+        last = tl.cdiv(seq_k, BLOCK_N) - 1
+        blocks = tl.where(last - pid_n > pid_n, 2, 1)
+    else:
+        last = pid_n
+        blocks = 1
+    for t in range(blocks):
+        _dkdv_block(
+            tl.where(t == 0, pid_n, last - pid_n) * BLOCK_N, b, hk, q0, seq_q, k0, seq_k, q_ptr, k_ptr, v_ptr,
+            do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+            stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_dkb,
+            stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, GROUP, D_QK,
+            D_V, scale, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_DQK,
+            BLOCK_DV, NUM_STAGES,
+        )  # fmt: skip
+
+
+@triton.jit
+def _dkdv_block(
+    start_n,
+    b,
+    hk,
+    q0,
+    seq_q,
+    k0,
+    seq_k,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_dob,
+    stride_dos,
+    stride_doh,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_lb,
+    stride_lh,
+    GROUP,
+    D_QK,
+    D_V,
+    scale,
+    WINDOW_LEFT,
+    WINDOW_RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """dK and dV of key block ``start_n`` of kv head ``hk``, summed over its query heads."""
     cols = start_n + tl.arange(0, BLOCK_N)
     col_ok = cols < seq_k
     d_qk = tl.arange(0, BLOCK_DQK)
@@ -640,7 +720,7 @@ def _attn_bwd_dq_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     bh = tl.program_id(0)  # batch x heads on axis 0: its limit is 2^31 - 1, axis 1's only 65535
-    start_m = tl.program_id(1) * BLOCK_M
+    start_m = _longest_first(tl.program_id(1), tl.num_programs(1)) * BLOCK_M
     b = bh // H_Q
     h = bh % H_Q
     hk = h // GROUP
@@ -844,10 +924,15 @@ def flash_attn_bwd_triton(
             num_warps=dq_tiles.warps, **flags,
         )  # fmt: skip
     if s_k and b * h_kv:
-        _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(s_k, dkdv.block))](
+        key_blocks = triton.cdiv(s_k, dkdv.block)
+        # pair key blocks where a right bound makes their work uneven and half the grid still fills the GPU
+        paired = window_right >= 0 and (
+            interpreter_active() or b * h_kv * key_blocks >= 2 * num_sms(q.device)
+        )
+        _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(key_blocks, 2) if paired else key_blocks)](
             q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
             *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv), stride_lb, stride_lh,
-            h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right,
+            h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right, PAIRED=paired,
             BLOCK_M=dkdv.step, BLOCK_N=dkdv.block, NUM_STAGES=dkdv.stages, num_warps=dkdv.warps, **flags,
         )  # fmt: skip
     return delta
