@@ -53,13 +53,16 @@ class Launch(NamedTuple):
 
 def default_launches(d_qk: int, d_v: int) -> tuple[Launch, Launch, Launch]:
     """(forward, dK/dV, dQ) launches: 16-row tiles under the interpreter; else the fastest of
-    ``bench_attention_configs`` on an H200 at 4096 and 8192 tokens (docs/performance.md), with narrower key
-    steps for heads wider than 128."""
+    ``bench_attention_configs`` on an H200 at 4096 and 8192 tokens (docs/performance.md), for heads up to
+    128 wide and for DeepSeek's 192/128 (one of q/k and v padded to 256); smaller tiles where both are."""
     if interpreter_active():
         tile = Launch(16, 16, 4, 1)
         return tile, tile, tile
-    if max(d_qk, d_v) > 128:
-        return Launch(128, 32, 8, 3), Launch(64, 64, 8, 2), Launch(128, 64, 8, 2)
+    width = triton.next_power_of_2(d_qk) + triton.next_power_of_2(d_v)
+    if width > 384:  # 256-wide q/k and v tiles: smaller blocks keep the pipelines in shared memory
+        return Launch(64, 32, 8, 3), Launch(32, 32, 8, 3), Launch(64, 32, 8, 3)
+    if width > 256:
+        return Launch(128, 64, 8, 3), Launch(64, 64, 8, 3), Launch(128, 32, 8, 3)
     return Launch(128, 64, 8, 3), Launch(64, 32, 4, 3), Launch(128, 64, 8, 3)
 
 

@@ -19,7 +19,9 @@ BACKENDS = [BackendType.TORCH, BackendType.TRITON]
 SNR_DB = 40.0
 # (heads q, heads kv, head dim qk, head dim v)
 HEADS = [(2, 2, 32, 32), (4, 2, 48, 32), (4, 1, 16, 40)] + (
-    [(8, 2, 192, 128), (32, 8, 128, 128), (64, 8, 64, 64), (28, 4, 128, 128)] if ON_GPU else []
+    [(8, 2, 192, 128), (32, 8, 128, 128), (64, 8, 64, 64), (28, 4, 128, 128), (4, 2, 256, 256)]
+    if ON_GPU
+    else []
 )
 # (seq q, seq k)
 SEQS = [(17, 17), (1, 9), (33, 20), (20, 33)] + ([(1024, 1024), (777, 1500)] if ON_GPU else [])
