@@ -59,6 +59,7 @@ class BackendType(Enum):
     DEEP_EP = "DEEP_EP"
     FLYDSL = "FLYDSL"
     TORCH = "TORCH"
+    FLASH_ATTN = "FLASH_ATTN"
 
     # Enum's own __hash__ stays: torch 2.11's dynamo refuses to hash enums that override it, and attention
     # resolves its backend in traced code (compile tests on the GPU).

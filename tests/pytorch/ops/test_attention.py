@@ -4,9 +4,14 @@ bhsd layouts; output layouts; the op contract (opcheck, fullgraph compile); dete
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
+import types
+
 import pytest
 import torch
 
+from primus_turbo.pytorch.core import backend as backend_module
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.kernels.attention import flash_attn_impl as impl
 from primus_turbo.pytorch.ops import flash_attn_func, flash_attn_varlen_func
@@ -344,3 +349,78 @@ def test_window_bounds_beyond_the_sequences_mean_unbounded(backend):
     one_sided = flash_attn_func(q, k, v, window_size=(0, 2**31 - 1))
     reference = attention_ref(q, k, v, 16**-0.5, window=(0, -1))
     assert compute_snr(reference, one_sided) >= SNR_DB
+
+
+def _fake_package(name, lse_keyword, calls):
+    """A stand-in for the flash_attn / aiter package: the fp64 reference, recording each call's options."""
+
+    def attend(q, k, v, *packing, dropout_p, softmax_scale, causal, window_size, deterministic, **lse_flag):
+        calls.append({"packing": packing, "scale": softmax_scale, "causal": causal, "window": window_size})
+        calls[-1].update({"deterministic": deterministic, "dropout": dropout_p, **lse_flag})
+        batch = (q, k, v) if not packing else (q[None], k[None], v[None])  # one packed sequence
+        out = attention_ref(*batch, softmax_scale, False, window_size, None).to(q.dtype)
+        out, lse = (out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])) if not packing else (out[0], None)
+        return (out, lse, None) if lse_flag[lse_keyword] else out
+
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.flash_attn_func = module.flash_attn_varlen_func = attend
+    return module
+
+
+@pytest.fixture
+def _fresh_availability():
+    backend_module._cached_unavailable_reason.cache_clear()
+    yield
+    backend_module._cached_unavailable_reason.cache_clear()
+
+
+@pytest.mark.usefixtures("_fresh_availability")
+@pytest.mark.parametrize(
+    "backend, module, lse_keyword",
+    [(BackendType.FLASH_ATTN, "flash_attn", "return_attn_probs"), (BackendType.AITER, "aiter", "return_lse")],
+)
+def test_package_backends_run_through_the_package(monkeypatch, backend, module, lse_keyword):
+    """An installed package gets the call end to end with this library's window convention; gradients come
+    from its autograd; sinks are declined with the reason."""
+    calls = []
+    monkeypatch.setitem(sys.modules, module, _fake_package(module, lse_keyword, calls))
+    GlobalBackendManager.set_attn_backend(backend)
+    q, k, v, _ = _inputs(2, 9, 9, (4, 2, 16, 16))
+    out, lse = flash_attn_func(q, k, v, causal=True, window_size=(3, -1), deterministic=True, return_lse=True)
+    assert calls[-1] == {
+        "packing": (), "scale": 0.25, "causal": False, "window": (3, 0), "deterministic": True,
+        "dropout": 0.0, lse_keyword: True,
+    }  # fmt: skip
+    assert lse.shape == (2, 4, 9) and impl.AttentionDispatcher.last_selected() is backend
+    out.float().sum().backward()
+    assert q.grad is not None and k.grad is not None
+    _, _, _, sink = _inputs(2, 9, 9, (4, 2, 16, 16), sink=True)
+    with pytest.raises(ValueError, match="has no attention sinks"):
+        flash_attn_func(q, k, v, sink=sink)
+
+
+@pytest.mark.usefixtures("_fresh_availability")
+def test_flash_attn_package_varlen_and_head_dims(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_package("flash_attn", "return_attn_probs", calls))
+    GlobalBackendManager.set_attn_backend(BackendType.FLASH_ATTN)
+    q, k, v, _ = _inputs(1, 9, 9, (2, 2, 16, 16))
+    cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 9, 9, causal=True)
+    assert calls[-1]["packing"] == (cu, cu, 9, 9) and calls[-1]["window"] == (-1, 0)
+    q, k, v, _ = _inputs(1, 9, 9, (2, 2, 16, 32))
+    with pytest.raises(ValueError, match="needs equal q/k and v head dims"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.usefixtures("_fresh_availability")
+@pytest.mark.parametrize(
+    "backend, module", [(BackendType.FLASH_ATTN, "flash_attn"), (BackendType.AITER, "aiter")]
+)
+def test_package_backends_unavailable_without_the_package(monkeypatch, backend, module):
+    monkeypatch.setitem(sys.modules, module, None)  # import (and find_spec) of it fails
+    GlobalBackendManager.set_attn_backend(backend)
+    q, k, v, _ = _inputs(1, 9, 9, (2, 2, 16, 16))
+    with pytest.raises(ValueError, match=f"the {module} package is not installed"):
+        flash_attn_func(q, k, v)

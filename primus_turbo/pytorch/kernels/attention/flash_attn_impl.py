@@ -12,8 +12,10 @@ Window convention (both backends): query ``i`` sees key ``j`` when
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,6 +39,7 @@ __all__ = [
     "flash_attn_fwd_impl",
     "flash_attn_varlen_bwd_impl",
     "flash_attn_varlen_fwd_impl",
+    "package_attention",
     "resolve_attention_backend",
     "sdpa_attention",
     "sdpa_runs",
@@ -267,6 +270,78 @@ class TritonAttentionBackend(KernelBackend):
     execute = forward
 
 
+class _PackageAttentionBackend(KernelBackend):
+    """Attention from an external package, available only where it imports. Such calls run end to end
+    through the package's own ``flash_attn_func`` / ``flash_attn_varlen_func`` and its autograd (the public
+    ops route them there, ``package_attention``), with the window convention of this module (the
+    packages' own: bottom-right aligned, -1 unbounded)."""
+
+    autotune = False
+    module: ClassVar[str]
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec(cls.module) is None:
+            return f"the {cls.module} package is not installed"
+        return None
+
+    @classmethod
+    def unsupported_reason(cls, q, k, v, sink, **_: Any) -> str | None:
+        if sink is not None:
+            return "has no attention sinks"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs fp16 or bf16 inputs, got {q.dtype}"
+        return None
+
+    @classmethod
+    def run(cls, q, k, v, scale, left, right, deterministic, return_lse, varlen=None):
+        """``out``, or ``(out, lse)`` with ``return_lse``, from the package."""
+        package = importlib.import_module(cls.module)
+        options = dict(
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=False,
+            window_size=(left, right),
+            deterministic=deterministic,
+        )
+        options.update(cls.lse_option(return_lse))
+        if varlen is None:
+            result = package.flash_attn_func(q, k, v, **options)
+        else:
+            result = package.flash_attn_varlen_func(q, k, v, *varlen, **options)
+        return (result[0], result[1]) if return_lse else result
+
+    @staticmethod
+    def lse_option(return_lse: bool) -> dict[str, bool]:
+        return {"return_attn_probs": return_lse}
+
+    @staticmethod
+    def execute(**_: Any) -> Any:
+        raise RuntimeError("package attention runs through package_attention, not the custom ops")
+
+
+class FlashAttnPackageBackend(_PackageAttentionBackend):
+    """The ``flash_attn`` package (FlashAttention 2): equal q/k and v head dims up to 256."""
+
+    module = "flash_attn"
+
+    @classmethod
+    def unsupported_reason(cls, q, k, v, sink, **kwargs: Any) -> str | None:
+        if q.shape[-1] != v.shape[-1] or q.shape[-1] > 256:
+            return f"needs equal q/k and v head dims up to 256, got {q.shape[-1]}/{v.shape[-1]}"
+        return super().unsupported_reason(q, k, v, sink, **kwargs)
+
+
+class AiterAttentionBackend(_PackageAttentionBackend):
+    """AMD's AITER (CK and assembly kernels, ROCm)."""
+
+    module = "aiter"
+
+    @staticmethod
+    def lse_option(return_lse: bool) -> dict[str, bool]:
+        return {"return_lse": return_lse}
+
+
 class AttentionDispatcher(AutoKernelDispatcher):
     """Backend choice for flash attention. On GPUs: TORCH (SDPA, cuDNN first) for the calls SDPA runs end
     to end on a fused kernel, where it is faster than this library's kernels (docs/performance.md); the
@@ -277,6 +352,8 @@ class AttentionDispatcher(AutoKernelDispatcher):
     backends = {
         BackendType.TRITON: TritonAttentionBackend,
         BackendType.TORCH: TorchAttentionBackend,
+        BackendType.AITER: AiterAttentionBackend,
+        BackendType.FLASH_ATTN: FlashAttnPackageBackend,
     }
 
     @classmethod
@@ -318,6 +395,12 @@ def resolve_attention_backend(
     choice = GlobalBackendManager.get_attn_backend(precision_of(q.dtype))
     kwargs = dict(q=q, k=k, v=v, sink=sink, scale=scale, left=left, right=right, varlen=varlen, sdpa=sdpa)
     return AttentionDispatcher.resolve(choice, **kwargs).name
+
+
+def package_attention(backend: str) -> type[_PackageAttentionBackend] | None:
+    """The external package a call resolved to ``backend`` runs on, if any."""
+    impl = AttentionDispatcher.backends[BackendType[backend]]
+    return impl if issubclass(impl, _PackageAttentionBackend) else None
 
 
 def sdpa_runs(backend: str, q: torch.Tensor, k: torch.Tensor, sink, left: int, right: int) -> bool:

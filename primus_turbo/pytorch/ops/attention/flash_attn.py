@@ -15,6 +15,7 @@ from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
     flash_attn_fwd_impl,
     flash_attn_varlen_bwd_impl,
     flash_attn_varlen_fwd_impl,
+    package_attention,
     resolve_attention_backend,
     sdpa_attention,
     sdpa_runs,
@@ -189,6 +190,9 @@ def flash_attn_func(
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right, sdpa=sdpa)
     if sdpa and sdpa_runs(backend, q, k, sink, left, right):
         return sdpa_attention(q, k, v, scale, right)
+    package = package_attention(backend)
+    if package is not None:
+        return package.run(q, k, v, scale, left, right, deterministic, return_lse)
     args = (q, k, v, sink, scale, left, right, backend)
     return _run(_FlashAttnFunction, flash_attn_fwd_impl, args, (q, k, v, sink), return_lse)
 
@@ -259,6 +263,9 @@ def flash_attn_varlen_func(
     left, right = window_bounds(causal, window_size, max_seqlen_q, max_seqlen_k)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     backend = resolve_attention_backend(q, k, v, sink, scale, left, right, varlen)
+    package = package_attention(backend)
+    if package is not None:
+        return package.run(q, k, v, scale, left, right, deterministic, return_lse, varlen)
     args = (
         q,
         k,

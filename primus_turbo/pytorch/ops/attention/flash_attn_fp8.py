@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from primus_turbo.pytorch.core.backend import BackendType
 from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from primus_turbo.pytorch.kernels.attention.flash_attn_fp8_impl import flash_attn_fp8_fwd_impl
 from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
     flash_attn_bwd_impl,
+    package_attention,
     resolve_attention_backend,
 )
 from primus_turbo.pytorch.ops.attention.flash_attn import check_attention_args, kernel_grad, window_bounds
@@ -80,6 +82,8 @@ def flash_attn_fp8_func(
     left, right = window_bounds(causal, window_size, q.shape[1], k.shape[1])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         backend = resolve_attention_backend(q, k, v, None, scale, left, right)
+        if package_attention(backend) is not None:  # an external package has no lse-based backward here
+            backend = BackendType.TRITON.name
         out, lse = _FlashAttnFp8Function.apply(q, k, v, scale, left, right, backend)
     else:
         out, lse = call_op(flash_attn_fp8_fwd_impl, q, k, v, scale, left, right)
