@@ -192,6 +192,16 @@ def _full_queries(
 
 
 @triton.jit
+def _part(part: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Part 0, 1 or 2 of [lo, hi): masked blocks before the whole ones, the whole ones, the masked rest."""
+    if part == 0:
+        return lo, full_lo
+    if part == 1:
+        return full_lo, full_hi
+    return full_hi, hi
+
+
+@triton.jit
 def _load_tile(base, rows, row_ok, stride_s, d, D, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     """The [rows, d] tile below ``base``; zeros outside the valid rows (MASK_ROWS) and the first D dims."""
     ptrs = base + rows[:, None].to(tl.int64) * stride_s + d[None, :]
@@ -362,12 +372,7 @@ def _attn_fwd_kernel(
         start_m, seq_q, seq_k, lo, hi, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     for part in tl.static_range(3):  # masked blocks left of the whole ones, the whole ones, masked right
-        if part == 0:
-            first, last = lo, full_lo
-        elif part == 1:
-            first, last = full_lo, full_hi
-        else:
-            first, last = full_hi, hi
+        first, last = _part(part, lo, full_lo, full_hi, hi)
         acc, m_i, l_i = _fwd_keys(
             acc, m_i, l_i, q, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs, D_QK,
             D_V, scale_log2, ks_ptr, vs_ptr, kv_scales, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT,
@@ -599,12 +604,7 @@ def _dkdv_block(
         do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
         stat = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
         for part in tl.static_range(3):  # masked query blocks, the whole ones, masked again
-            if part == 0:
-                first, last = q_lo, full_lo
-            elif part == 1:
-                first, last = full_lo, full_hi
-            else:
-                first, last = full_hi, q_hi
+            first, last = _part(part, q_lo, full_lo, full_hi, q_hi)
             dk, dv = _dkdv_queries(
                 dk, dv, k, v, q_base, do_base, lse_ptr + stat, delta_ptr + stat, first, last, cols, seq_q,
                 seq_k, stride_qs, stride_dos, D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT,
@@ -757,12 +757,7 @@ def _attn_bwd_dq_kernel(
         start_m, seq_q, seq_k, lo, hi, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     for part in tl.static_range(3):  # as in the forward
-        if part == 0:
-            first, last = lo, full_lo
-        elif part == 1:
-            first, last = full_lo, full_hi
-        else:
-            first, last = full_hi, hi
+        first, last = _part(part, lo, full_lo, full_hi, hi)
         dq = _dq_keys(
             dq, q, do, lse2, delta, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs,
             D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, part != 1, EVEN_D, BLOCK_N,
