@@ -29,7 +29,8 @@
 #                       under balanced, skewed and alternating 1024/3072 group sizes
 #   GROUPED_HOST=1      kernel time, wall time and cProfile host time per grouped step (bf16 and FP8) at a
 #                       host-bound expert shape (GROUPED_HOST_SHAPE, default Qwen3-30B-A3B fc2 at EP 8)
-#   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192)
+#   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192; ATTN_BACKENDS,
+#                       default TRITON,DEFAULT,FP8)
 #   ATTN_SWEEP=1        time the Triton attention kernels' tile candidates against SDPA-cuDNN (ATTN_SEQS)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -136,7 +137,8 @@ if [ "${GROUPED_NCU:-0}" = 1 ]; then
 fi
 if [ "${ATTN:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_attention_turbo \
-    --seqs "${ATTN_SEQS:-2048,4096,8192}" -o "$OUT/attention.csv" 2>&1 \
+    --seqs "${ATTN_SEQS:-2048,4096,8192}" --backends "${ATTN_BACKENDS:-TRITON,DEFAULT,FP8}" \
+    -o "$OUT/attention.csv" 2>&1 \
     | tee "$OUT/bench_attention.log" || status=1
 fi
 if [ "${ATTN_SWEEP:-0}" = 1 ]; then
