@@ -128,17 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     for shape in SHAPES:
         for seq in (int(s) for s in args.seqs.split(",")):
             rows += _rows(seq, *shape)
-    columns = [
-        "Kernel",
-        "Hq",
-        "Dqk",
-        "Seq",
-        "Launch (block, step, warps, stages)",
-        "ms",
-        "TFLOPS",
-        "vs cuDNN",
-    ]
-    columns.append("Same as default")
+    columns = ["Kernel", "Hq", "Dqk", "Seq", "Launch (block, step, warps, stages)", "ms", "TFLOPS"]
+    columns += ["vs cuDNN", "Same as default"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
     write_csv(args.output, rows)
 

@@ -152,7 +152,15 @@ def sdpa_attention(
     """Attention through ``scaled_dot_product_attention`` with its own autograd (cuDNN first), for calls
     ``_sdpa_covers``; the output [B, Sq, Hq, Dv] in q's layout."""
     with sdpa_kernel(list(_SDPA_PRIORITY), set_priority=True):
-        out = _heads_view(_sdpa(q, k, v, scale, right))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            _heads_view(q),
+            _heads_view(k),
+            _heads_view(v),
+            is_causal=right == 0,
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+    out = _heads_view(out)
     if _order(out) == _order(q):
         return out
     return empty_in_layout(q, out.shape).copy_(out)
@@ -161,18 +169,6 @@ def sdpa_attention(
 def _order(t: torch.Tensor) -> list[int]:
     """The memory order of the dimensions longer than one, outermost first."""
     return sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: (-t.stride(d), d))
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, right: int) -> torch.Tensor:
-    """SDPA on [B, H, S, D] views of the [B, S, H, D] inputs; [B, Hq, Sq, Dv]."""
-    return torch.nn.functional.scaled_dot_product_attention(
-        _heads_view(q),
-        _heads_view(k),
-        _heads_view(v),
-        is_causal=right == 0,
-        scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
 
 
 class TorchAttentionBackend(KernelBackend):
