@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     device_info.interpreter_active = lambda: False
     from primus_turbo.triton.activation import gated_act_kernel as act
     from primus_turbo.triton.attention import flash_attn_kernel as attn
+    from primus_turbo.triton.attention import fp8_quant_kernel as attn_quant
     from primus_turbo.triton.gemm import gemm_fp8_block_sm90 as sm90
     from primus_turbo.triton.gemm import gemm_fp8_kernel as fp8
     from primus_turbo.triton.gemm import gemm_kernel as gemm
@@ -502,12 +503,19 @@ def main(argv: list[str] | None = None) -> int:
                 torch.empty_like(v),
             ),
         )
-    q8, kv8 = torch.empty(2, 1024, 16, 128, dtype=e4m3), torch.empty(2, 1024, 4, 128, dtype=e4m3)
-    scales = (torch.empty(2, 16, 16), torch.empty(2, 4, 16), torch.empty(2, 4, 16))
+    q8, k8 = torch.empty(2, 1024, 16, 128, dtype=e4m3), torch.empty(2, 1024, 4, 128, dtype=e4m3)
+    v8 = torch.empty(2, 4, 128, 1024, dtype=e4m3).permute(0, 3, 1, 2)
+    scales = (torch.empty(2, 16, 8), torch.empty(2, 4, 8), torch.empty(2, 4, 8))
     attempt(
         "attention forward fp8 d=128 causal",
         lambda: attn.flash_attn_fwd_triton(
-            q8, kv8, kv8, None, 0.1, -1, 0, torch.empty(2, 1024, 16, 128, dtype=bf16), None, scales
+            q8, k8, v8, None, 0.1, -1, 0, torch.empty(2, 1024, 16, 128, dtype=bf16), None, scales
+        ),
+    )
+    attempt(
+        "attention fp8 block quantizer (sequence-contiguous)",
+        lambda: attn_quant.quantize_attention_blocks_triton(
+            torch.empty(2, 1024, 4, 128, dtype=bf16), e4m3, True
         ),
     )
     logits, bias = torch.empty(4096, 256), torch.empty(256)

@@ -1,10 +1,10 @@
 """Time tile choices of the Triton flash-attention kernels against SDPA with the cuDNN backend.
 
 A tuning aid like ``bench_norm_act_configs``: for causal bf16 attention at the config models' head shapes,
-every forward ``Launch`` candidate runs next to SDPA-cuDNN's forward, and every dK/dV and dQ candidate
-(the other kernel at its default) next to SDPA-cuDNN's backward (its forward + backward less its
-forward), interleaved call by call with CUDA events (L2 flushed). Each candidate's outputs are checked
-against the default launch's.
+every forward ``Launch`` candidate (bf16, and FP8 on inputs quantized once, ``fwd_fp8``) runs next to
+SDPA-cuDNN's bf16 forward, and every dK/dV and dQ candidate (the other kernel at its default) next to
+SDPA-cuDNN's backward (its forward + backward less its forward), interleaved call by call with CUDA events
+(L2 flushed). Each candidate's outputs are checked against the default launch's.
 
 Example::
 
@@ -33,6 +33,10 @@ FWD = {
     128: [None, (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2)],
     192: [None, (128, 32, 8, 4), (64, 32, 4, 3), (128, 64, 8, 3), (128, 16, 8, 3)],
 }
+FWD_FP8 = {
+    128: [None, (64, 128, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 3)],
+    192: [None, (64, 32, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 3)],
+}
 DKDV = {
     128: [None, (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 3), (128, 32, 8, 2)],
     192: [None, (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 3)],
@@ -43,9 +47,11 @@ DQ = {
 }
 
 
-def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
+def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int, only: set[str]) -> list[dict]:
+    from primus_turbo.triton.attention import quantize_attention_blocks_triton
     from primus_turbo.triton.attention.flash_attn_kernel import (
         Launch,
+        default_fp8_launch,
         default_launches,
         flash_attn_bwd_triton,
         flash_attn_fwd_triton,
@@ -69,6 +75,15 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
         flash_attn_fwd_triton(q, k, v, None, scale, -1, 0, o, launch=launch)
         return o
 
+    fp8 = [quantize_attention_blocks_triton(t, torch.float8_e4m3fn, i == 2) for i, t in enumerate((q, k, v))]
+
+    def forward_fp8(launch):
+        o = torch.empty_like(out)
+        flash_attn_fwd_triton(
+            *(t for t, _ in fp8), None, scale, -1, 0, o, None, tuple(s for _, s in fp8), launch
+        )
+        return o
+
     def backward(launches):
         grads = [torch.empty_like(t) for t in (q, k, v)]
         flash_attn_bwd_triton(do, q, k, v, out, lse, scale, -1, 0, *grads, launch=launches)
@@ -83,13 +98,14 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
     rows = []
     kernels = [
         ("fwd", FWD[wide], lambda c: Launch(*c), forward, 2.0),
+        ("fwd_fp8", FWD_FP8[wide], lambda c: Launch(*c), forward_fp8, 2.0),
         ("dkdv", DKDV[wide], lambda c: (Launch(*c), default_dq), backward, 5.0),
         ("dq", DQ[wide], lambda c: (default_dkdv, Launch(*c)), backward, 5.0),
     ]
     with torch.no_grad():
         (cudnn_fwd,) = time_interleaved([cudnn], None, "cuda")
     (cudnn_step_ms,) = time_interleaved([cudnn_step], None, "cuda")
-    for kernel, candidates, launch_of, run, matmuls in kernels:
+    for kernel, candidates, launch_of, run, matmuls in (k for k in kernels if k[0] in only):
         reference = run(None)
         runnable, launches, same = [], [], []
         for candidate in candidates:
@@ -99,13 +115,14 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
             except OutOfResources as exc:  # e.g. a tile whose stages do not fit in shared memory
                 LOG.info("%s %s: %s", kernel, candidate, exc)
                 continue
-            pairs = zip(result, reference, strict=True) if kernel != "fwd" else [(result, reference)]
+            pairs = zip(result, reference, strict=True) if kernel.startswith("d") else [(result, reference)]
             same.append(all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in pairs))
             runnable.append(candidate)
             launches.append(launch)
         times = time_interleaved([functools.partial(run, launch) for launch in launches], None, "cuda")
-        peer = cudnn_fwd if kernel == "fwd" else cudnn_step_ms - cudnn_fwd
-        default = {"fwd": default_fwd, "dkdv": default_dkdv, "dq": default_dq}[kernel]
+        peer = cudnn_step_ms - cudnn_fwd if kernel.startswith("d") else cudnn_fwd
+        default = {"fwd": default_fwd, "dkdv": default_dkdv, "dq": default_dq}.get(kernel)
+        default = default or default_fp8_launch(d_qk, d_v)
         for candidate, ms, ok in zip(runnable, times, same, strict=True):
             label = str(tuple(candidate or default)) + ("" if candidate else " default")
             row = {"Kernel": kernel, "Hq": h_q, "Hkv": h_kv, "Dqk": d_qk, "Dv": d_v, "Seq": seq}
@@ -121,13 +138,14 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
+    p.add_argument("--kernels", default="fwd,fwd_fp8,dkdv,dq", help="comma-separated kernels to sweep")
     p.add_argument("-o", "--output", default="attention_configs.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     rows = []
     for shape in SHAPES:
         for seq in (int(s) for s in args.seqs.split(",")):
-            rows += _rows(seq, *shape)
+            rows += _rows(seq, *shape, set(args.kernels.split(",")))
     columns = ["Kernel", "Hq", "Dqk", "Seq", "Launch (block, step, warps, stages)", "ms", "TFLOPS"]
     columns += ["vs cuDNN", "Same as default"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))

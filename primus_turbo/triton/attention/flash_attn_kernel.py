@@ -31,13 +31,14 @@ __all__ = [
     "MAX_HEAD_DIM",
     "Launch",
     "Varlen",
+    "default_fp8_launch",
     "default_launches",
     "flash_attn_bwd_triton",
     "flash_attn_fwd_triton",
 ]
 
 MAX_HEAD_DIM = 256
-FP8_BLOCK = 64  # tokens per FP8 scale block: one attention tile
+FP8_BLOCK = 128  # tokens per FP8 scale block; forward tiles divide it, so each tile has one scale
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -64,6 +65,14 @@ def default_launches(d_qk: int, d_v: int) -> tuple[Launch, Launch, Launch]:
     if width > 256:
         return Launch(128, 64, 8, 3), Launch(64, 64, 8, 3), Launch(128, 32, 8, 3)
     return Launch(128, 64, 8, 3), Launch(64, 32, 4, 3), Launch(128, 64, 8, 3)
+
+
+def default_fp8_launch(d_qk: int, d_v: int) -> Launch:
+    """The FP8 forward's launch: 16-row tiles under the interpreter; else the fastest of
+    ``bench_attention_configs --fp8`` on an H200 (docs/performance.md)."""
+    if interpreter_active():
+        return Launch(16, 16, 4, 1)
+    return Launch(64, 64, 4, 3)  # one warpgroup per program: programs on an SM overlap softmax and MMA
 
 
 @triton.jit
@@ -202,9 +211,9 @@ def _part(part: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
-def _load_tile(base, rows, row_ok, stride_s, d, D, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+def _load_tile(base, rows, row_ok, stride_s, d, D, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr, stride_d=1):
     """The [rows, d] tile below ``base``; zeros outside the valid rows (MASK_ROWS) and the first D dims."""
-    ptrs = base + rows[:, None].to(tl.int64) * stride_s + d[None, :]
+    ptrs = base + rows[:, None].to(tl.int64) * stride_s + d[None, :] * stride_d
     if MASK_ROWS:
         if EVEN_D:
             return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
@@ -219,6 +228,7 @@ def _fwd_keys(
     acc,
     m_i,
     l_i,
+    acc_unit,
     q,
     k_base,
     v_base,
@@ -229,6 +239,7 @@ def _fwd_keys(
     seq_k,
     stride_ks,
     stride_vs,
+    stride_vd,
     D_QK,
     D_V,
     scale_log2,
@@ -241,49 +252,55 @@ def _fwd_keys(
     HAS_RIGHT: tl.constexpr,
     MASK: tl.constexpr,
     FP8: tl.constexpr,
-    P_SCALE: tl.constexpr,
+    P_LOG2: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """Online softmax over key blocks [lo, hi); MASK applies the window and sequence bounds (the blocks
-    ``_full_keys`` leaves out), where a row may also see no key at all."""
+    ``_full_keys`` leaves out), where a row may also see no key at all.
+
+    The row max is taken on the raw products (the scale is positive), so that scaling and subtracting it
+    are one FMA per score. P (and so l) carries a factor 2^P_LOG2: FP8 sets it to the largest power of two
+    the FP8 type holds (256 for E4M3FN, 128 for E4M3FNUZ), which keeps small probabilities out of its
+    subnormal range, and the output divides it out. FP8 also keeps ``acc`` in units of the last v block's
+    scale (``acc_unit``): a change of block rescales it with the softmax correction, and P V accumulates
+    in place."""
     d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
         k = tl.trans(_load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, MASK, EVEN_D))
-        v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, MASK, EVEN_D)
+        v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, MASK, EVEN_D, stride_vd)
+        s = tl.dot(q, k)
+        c = scale_log2
         if FP8:
-            s = tl.dot(q, k) * (scale_log2 * tl.load(ks_ptr + kv_scales + start_n // BLOCK_N))
-        else:
-            s = tl.dot(q, k) * scale_log2
+            c = scale_log2 * tl.load(ks_ptr + kv_scales + start_n // SCALE_BLOCK)
         if MASK:
             s = tl.where(
                 _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT),
                 s,
                 float("-inf"),
             )
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * c)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * c)
             m_safe = m_new
         alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
+        p = tl.math.exp2(s * c - (m_safe - P_LOG2)[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            # P in [0, 1] times the largest power of two the FP8 type holds (256 for E4M3FN, 128 for
-            # E4M3FNUZ) keeps small probabilities out of its subnormal range
-            v_scale = tl.load(vs_ptr + kv_scales + start_n // BLOCK_N) / P_SCALE
-            acc = acc * alpha[:, None] + tl.dot((p * P_SCALE).to(v.dtype), v) * v_scale
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            v_scale = tl.load(vs_ptr + kv_scales + start_n // SCALE_BLOCK)
+            alpha = alpha * (acc_unit / v_scale)
+            acc_unit = v_scale
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, m_i, l_i, acc_unit
 
 
 @triton.jit
@@ -308,6 +325,7 @@ def _attn_fwd_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_vd,
     stride_ob,
     stride_os,
     stride_oh,
@@ -327,8 +345,9 @@ def _attn_fwd_kernel(
     HAS_RIGHT: tl.constexpr,
     HAS_SINK: tl.constexpr,
     FP8: tl.constexpr,
-    P_SCALE: tl.constexpr,
+    P_LOG2: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
@@ -352,18 +371,18 @@ def _attn_fwd_kernel(
     k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
     v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
     kv_scales = 0
-    if FP8:  # one scale per (batch, head, 64-token block) of q, k and v; a tile is one block
-        q_blocks = tl.cdiv(S_Q, BLOCK_M)
-        k_blocks = tl.cdiv(S_K, BLOCK_N)
-        kv_scales = (b * (H_Q // GROUP) + hk).to(tl.int64) * k_blocks
-        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + m_block)
+    if FP8:  # one scale per (batch, head, SCALE_BLOCK tokens) of q, k and v; a tile lies in one block
+        q_blocks = tl.cdiv(S_Q, SCALE_BLOCK)
+        kv_scales = (b * (H_Q // GROUP) + hk).to(tl.int64) * tl.cdiv(S_K, SCALE_BLOCK)
+        scale_log2 = scale_log2 * tl.load(qs_ptr + bh.to(tl.int64) * q_blocks + start_m // SCALE_BLOCK)
     if HAS_SINK:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sink_ptr + h).to(tl.float32) * _LOG2E
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.math.exp2(P_LOG2)
     else:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc_unit = tl.full((), 1.0, tl.float32)  # acc's unit: 1, or for FP8 the last v block's scale
     lo, hi = _key_range(
         start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
@@ -373,18 +392,19 @@ def _attn_fwd_kernel(
     )
     for part in tl.static_range(3):  # masked blocks left of the whole ones, the whole ones, masked right
         first, last = _part(part, lo, full_lo, full_hi, hi)
-        acc, m_i, l_i = _fwd_keys(
-            acc, m_i, l_i, q, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs, D_QK,
-            D_V, scale_log2, ks_ptr, vs_ptr, kv_scales, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT,
-            part != 1, FP8, P_SCALE, EVEN_D, BLOCK_N, BLOCK_DQK, BLOCK_DV, NUM_STAGES,
+        acc, m_i, l_i, acc_unit = _fwd_keys(
+            acc, m_i, l_i, acc_unit, q, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs,
+            stride_vd, D_QK, D_V, scale_log2, ks_ptr, vs_ptr, kv_scales, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_LEFT, HAS_RIGHT, part != 1, FP8, P_LOG2, EVEN_D, SCALE_BLOCK, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            NUM_STAGES,
         )  # fmt: skip
     seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out = acc * (acc_unit / tl.where(seen, l_i, 1.0))[:, None]
     o_ptrs, o_mask = _tile(
         _head(o_ptr, b, h, q0, stride_ob, stride_oh, stride_os), rows, row_ok, stride_os, d_v, D_V
     )
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / _LOG2E, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - P_LOG2) / _LOG2E, float("-inf"))
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0 + rows, lse, mask=row_ok)
 
 
@@ -833,7 +853,8 @@ def flash_attn_fwd_triton(
 
     With ``fp8_scales`` (dense only) q, k and v are FP8 and the scales are the fp32 ``scale_inv`` of each
     ``FP8_BLOCK``-token block per head: [B, Hq, ceil(Sq / FP8_BLOCK)] for q, [B, Hkv, ...] for k and v;
-    both products run on FP8 operands. ``launch`` overrides the tiles (tuning)."""
+    both products run on FP8 operands, and v may be stored sequence-contiguous (unit stride along S, the
+    K-major operand FP8 tensor cores take for P V). ``launch`` overrides the tiles (tuning)."""
     b, s_q, s_k, h_q, h_kv, d_qk, d_v = _dims(q, k, v, varlen)
     window_left, window_right = _bounded(window_left, s_q, s_k), _bounded(window_right, s_q, s_k)
     shape = (h_q, q.shape[0]) if varlen is not None else (b, h_q, s_q)
@@ -841,9 +862,10 @@ def flash_attn_fwd_triton(
     if lse.numel() == 0 or b * s_q == 0:
         return lse
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
-    tiles = launch or default_launches(d_qk, d_v)[0]
-    if fp8_scales is not None:
-        tiles = tiles._replace(block=FP8_BLOCK, step=FP8_BLOCK)
+    fp8 = fp8_scales is not None
+    tiles = launch or (default_fp8_launch(d_qk, d_v) if fp8 else default_launches(d_qk, d_v)[0])
+    if fp8 and (FP8_BLOCK % tiles.block or FP8_BLOCK % tiles.step):
+        raise ValueError(f"FP8 attention tiles must divide {FP8_BLOCK} tokens, got {tiles}")
     grid = (b * h_q, triton.cdiv(s_q, tiles.block))
     _attn_fwd_kernel[grid](
         q,
@@ -858,6 +880,7 @@ def flash_attn_fwd_triton(
         *_bsh(q),
         *_bsh(k),
         *_bsh(v),
+        v.stride(-1),
         *_bsh(out),
         stride_lb,
         stride_lh,
@@ -874,8 +897,9 @@ def flash_attn_fwd_triton(
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0,
         HAS_SINK=sink is not None,
-        FP8=fp8_scales is not None,
-        P_SCALE=2.0 ** math.floor(math.log2(torch.finfo(v.dtype).max)) if fp8_scales is not None else 1.0,
+        FP8=fp8,
+        P_LOG2=float(math.floor(math.log2(torch.finfo(v.dtype).max))) if fp8 else 0.0,
+        SCALE_BLOCK=FP8_BLOCK,
         BLOCK_M=tiles.block,
         BLOCK_N=tiles.step,
         NUM_STAGES=tiles.stages,

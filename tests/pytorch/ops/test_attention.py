@@ -245,6 +245,9 @@ def test_bad_options_raise_clear_error():
         flash_attn_func(q, k, v, window_size=(-2, 0))
     with pytest.raises(ValueError, match="sink must be fp32"):
         flash_attn_func(q, k, v, sink=torch.zeros(3, device=DEVICE))
+    for bad_scale in (0.0, -0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale must be positive and finite"):
+            flash_attn_func(q, k, v, softmax_scale=bad_scale)
     with pytest.raises(ValueError, match="head dims up to 256"):
         big = torch.zeros(1, 5, 2, 288, device=DEVICE, dtype=torch.bfloat16)
         flash_attn_func(big, big, big)

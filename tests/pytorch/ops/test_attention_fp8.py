@@ -9,6 +9,7 @@ import torch
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from primus_turbo.pytorch.kernels.attention import flash_attn_fp8_impl as impl
 from primus_turbo.pytorch.ops import flash_attn_fp8_func
+from primus_turbo.triton.attention import quantize_attention_blocks_triton
 from tests.pytorch.ref.attention_ref import attention_ref
 from tests.pytorch.test_utils import DEVICES, compute_snr
 
@@ -30,7 +31,9 @@ def _inputs(b, s_q, s_k, heads, layout="bshd", seed=0):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqs", [(100, 100), (70, 130)] + ([(2048, 2048)] if ON_GPU else []), ids=str)
+@pytest.mark.parametrize(
+    "seqs", [(100, 100), (70, 130), (260, 200)] + ([(2048, 2048)] if ON_GPU else []), ids=str
+)
 @pytest.mark.parametrize(
     "heads", [(4, 2, 64, 64), (2, 1, 32, 48)] + ([(16, 16, 192, 128)] if ON_GPU else []), ids=str
 )
@@ -51,15 +54,27 @@ def test_forward_backward_track_the_reference(layout, heads, seqs, causal):
 
 
 def test_block_quantization_scales_and_zero_blocks():
-    x = torch.randn(2, 150, 3, 32, device=DEVICE).to(torch.bfloat16)
-    x[:, 64:128] = 0
+    x = torch.randn(2, 300, 3, 32, device=DEVICE).to(torch.bfloat16)
+    x[:, 128:256] = 0
     q8, scale_inv = impl.quantize_attention_blocks(x)
     assert q8.dtype == torch.float8_e4m3fn and scale_inv.shape == (2, 3, 3)
     assert torch.equal(scale_inv[:, :, 1], torch.ones_like(scale_inv[:, :, 1]))
-    amax = x[:, :64].float().abs().amax(dim=(1, 3))
+    amax = x[:, :128].float().abs().amax(dim=(1, 3))
     torch.testing.assert_close(scale_inv[:, :, 0], amax / 448.0)
     back = impl._dequantize(q8, scale_inv)
     assert compute_snr(x.float(), back) >= 25
+
+
+@pytest.mark.parametrize("seq_contiguous", [False, True], ids=["head_major", "seq_contiguous"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_triton_block_quantizer_matches_the_reference(layout, seq_contiguous):
+    x = _inputs(2, 150, 150, (3, 3, 40, 40), layout)[0].detach()
+    x[:, :7] = 0
+    ref8, ref_scale = impl.quantize_attention_blocks(x)
+    q8, scale_inv = quantize_attention_blocks_triton(x, torch.float8_e4m3fn, seq_contiguous)
+    assert q8.shape == x.shape and torch.equal(scale_inv, ref_scale)
+    assert torch.equal(q8.float(), ref8.float())
+    assert (q8.stride(1) == 1) == seq_contiguous
 
 
 def test_opcheck_and_compile():
@@ -75,9 +90,9 @@ def test_opcheck_and_compile():
 
 def test_bad_configuration_raises_clear_error():
     q, k, v = _inputs(1, 8, 8, (2, 2, 16, 16))
-    with pytest.raises(ValueError, match="block_size 64"):
+    with pytest.raises(ValueError, match="block_size 128"):
         flash_attn_fp8_func(
-            q, k, v, fp8_config=Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=128)
+            q, k, v, fp8_config=Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=64)
         )
     with pytest.raises(ValueError, match="BLOCKWISE"):
         flash_attn_fp8_func(q, k, v, fp8_config=Float8QuantConfig(format=Format.E5M2))

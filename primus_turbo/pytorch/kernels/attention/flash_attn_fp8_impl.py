@@ -1,8 +1,9 @@
 """FP8 flash attention forward ``primus_turbo::flash_attn_fp8_fwd``.
 
-q, k and v are quantized to E4M3 with one scale per head and ``FP8_BLOCK``-token block (the kernel's tile
-along the sequence, so each tile multiplies by one scalar), and both products (Q K^T and P V) run on FP8
-operands. Where Triton cannot run, the same quantized values are multiplied by the fp32 math backend.
+q, k and v are quantized to E4M3 with one scale per head and ``FP8_BLOCK``-token block (the kernel's tiles
+divide it, so each tile multiplies by one scalar), and both products (Q K^T and P V) run on FP8 operands;
+v is quantized sequence-contiguous, the operand order FP8 tensor cores take for P V. Where Triton cannot
+run, the same quantized values (``quantize_attention_blocks``) are multiplied by the fp32 math backend.
 The backward (in ``ops``) is the high-precision one on the saved bf16/fp16 inputs.
 """
 
@@ -14,7 +15,7 @@ from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import float8_e4m3
 from primus_turbo.pytorch.kernels.attention.flash_attn_impl import TorchAttentionBackend, empty_in_layout
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import fp8_triton_usable
-from primus_turbo.triton.attention import FP8_BLOCK, flash_attn_fwd_triton
+from primus_turbo.triton.attention import FP8_BLOCK, flash_attn_fwd_triton, quantize_attention_blocks_triton
 
 __all__ = ["flash_attn_fp8_fwd_impl", "quantize_attention_blocks"]
 
@@ -48,13 +49,13 @@ def flash_attn_fp8_fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv] in q's layout and dtype, lse fp32 [B, Hq, Sq]) from block-quantized q, k, v."""
     out = empty_in_layout(q, (*q.shape[:3], v.shape[3]))
-    quantized = [quantize_attention_blocks(t) for t in (q, k, v)]
     if fp8_triton_usable(q, float8_e4m3):
-        operands = [t for t, _ in quantized]
-        scales = tuple(s for _, s in quantized)
-        lse = flash_attn_fwd_triton(*operands, None, scale, left, right, out, None, scales)
+        (q8, q_scale), (k8, k_scale) = (quantize_attention_blocks_triton(t, float8_e4m3) for t in (q, k))
+        v8, v_scale = quantize_attention_blocks_triton(v, float8_e4m3, seq_contiguous=True)
+        scales = (q_scale, k_scale, v_scale)
+        lse = flash_attn_fwd_triton(q8, k8, v8, None, scale, left, right, out, None, scales)
         return out, lse
-    q32, k32, v32 = (_dequantize(t, s) for t, s in quantized)
+    q32, k32, v32 = (_dequantize(*quantize_attention_blocks(t)) for t in (q, k, v))
     return out, TorchAttentionBackend.forward(q32, k32, v32, None, scale, left, right, out)
 
 

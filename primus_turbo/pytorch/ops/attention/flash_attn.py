@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -156,6 +157,8 @@ def check_attention_args(
         return d_qk**-0.5 if d_qk else 1.0
     if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a float, got {softmax_scale!r}")
+    if not 0 < softmax_scale < math.inf:  # the kernels take row maxima of unscaled scores
+        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale!r}")
     return float(softmax_scale)
 
 

@@ -67,11 +67,11 @@ def flash_attn_fp8_func(
     fp8_config: Float8QuantConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_func`` whose forward multiplies E4M3 operands: q, k and v (bf16/fp16, any of the
-    bshd / sbhd / bhsd layouts) are quantized with one scale per head and 64-token block, Q K^T and P V
+    bshd / sbhd / bhsd layouts) are quantized with one scale per head and 128-token block, Q K^T and P V
     run on FP8 tensor cores, and the output is in the inputs' dtype. The backward is the high-precision
     one on the original q, k, v (the forward's output and log-sum-exp stand in for the exact ones), so
     gradients are as good as the FP8 forward allows. ``fp8_config`` may only restate that recipe
-    (BLOCKWISE, block 64).
+    (BLOCKWISE, block 128).
     """
     _check_config(fp8_config)
     if q.dtype not in (torch.float16, torch.bfloat16):
