@@ -175,6 +175,22 @@ def test_default_backend(options):
     assert impl.AttentionDispatcher.last_selected() is expected
 
 
+def test_sdpa_route_puts_cudnn_first_for_the_call_only(monkeypatch):
+    before = torch._C._get_sdp_priority_order()
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch._C._get_sdp_priority_order()[0])
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v, _ = _inputs(1, 9, 9, (2, 1, 16, 16))
+    flash_attn_func(q, k, v, causal=True)
+    assert seen == [int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)]
+    assert torch._C._get_sdp_priority_order() == before
+
+
 def test_opcheck():
     q, k, v, s = _inputs(1, 9, 7, (4, 2, 16, 16), sink=True)
     q, k, v = (t.detach() for t in (q, k, v))

@@ -104,6 +104,7 @@ _SDPA_PRIORITY = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
+_SDPA_PRIORITY_ORDER = [int(b) for b in _SDPA_PRIORITY]
 _SDPA_FUSED = (
     torch.backends.cuda.can_use_cudnn_attention,
     torch.backends.cuda.can_use_flash_attention,
@@ -151,15 +152,22 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """Attention through ``scaled_dot_product_attention`` with its own autograd (cuDNN first), for calls
     ``_sdpa_covers``; the output [B, Sq, Hq, Dv] in q's layout."""
-    with sdpa_kernel(list(_SDPA_PRIORITY), set_priority=True):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            _heads_view(q),
-            _heads_view(k),
-            _heads_view(v),
-            is_causal=right == 0,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
+    args = (_heads_view(q), _heads_view(k), _heads_view(v))
+    kwargs = dict(is_causal=right == 0, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    if torch.compiler.is_compiling():
+        with sdpa_kernel(list(_SDPA_PRIORITY), set_priority=True):
+            out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+    else:
+        # sdpa_kernel costs tens of microseconds of host time per call (it saves and restores every
+        # backend flag); eager calls set only the priority order, leaving the enabled backends as they are
+        previous = torch._C._get_sdp_priority_order()
+        torch._C._set_sdp_priority_order(
+            _SDPA_PRIORITY_ORDER + [b for b in previous if b not in _SDPA_PRIORITY_ORDER]
         )
+        try:
+            out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+        finally:
+            torch._C._set_sdp_priority_order(previous)
     out = _heads_view(out)
     if _order(out) == _order(q):
         return out
