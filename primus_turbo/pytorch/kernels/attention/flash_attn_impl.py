@@ -169,9 +169,19 @@ def sdpa_attention(
         finally:
             torch._C._set_sdp_priority_order(previous)
     out = _heads_view(out)
-    if _order(out) == _order(q):
+    if _same_order(out, q):
         return out
     return empty_in_layout(q, out.shape).copy_(out)
+
+
+def _same_order(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a``'s dimensions longer than one lie in memory in ``b``'s order; dense bshd and sbhd
+    answer without sorting strides (host time on every call)."""
+    if b.is_contiguous():
+        return a.is_contiguous()
+    if b.transpose(0, 1).is_contiguous():
+        return a.transpose(0, 1).is_contiguous()
+    return _order(a) == _order(b)
 
 
 def _order(t: torch.Tensor) -> list[int]:
