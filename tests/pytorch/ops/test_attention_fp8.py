@@ -8,6 +8,7 @@ import torch
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from primus_turbo.pytorch.kernels.attention import flash_attn_fp8_impl as impl
+from primus_turbo.pytorch.kernels.attention.flash_attn_impl import empty_in_layout
 from primus_turbo.pytorch.ops import flash_attn_fp8_func
 from primus_turbo.triton.attention import quantize_attention_blocks_triton
 from tests.pytorch.ref.attention_ref import attention_ref
@@ -51,10 +52,11 @@ def test_forward_backward_track_the_reference(layout, heads, seqs, causal):
         assert compute_snr(theirs.grad, mine.grad) >= SNR_DB
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_several_scale_blocks_track_the_reference(causal):
-    q, k, v = _inputs(1, 260, 200, (2, 1, 32, 48), "sbhd")
+@pytest.mark.parametrize("layout,causal", [("sbhd", False), ("bhsd", True)], ids=str)
+def test_several_scale_blocks_track_the_reference(layout, causal):
+    q, k, v = _inputs(1, 260, 200, (2, 1, 32, 48), layout)
     out = flash_attn_fp8_func(q, k, v, causal=causal)
+    assert out.stride() == empty_in_layout(q, out.shape).stride()
     leaves = [t.detach().clone() for t in (q, k, v)]
     assert compute_snr(attention_ref(*leaves, 32**-0.5, causal), out) >= SNR_DB
 
@@ -72,7 +74,7 @@ def test_block_quantization_scales_and_zero_blocks():
 
 
 @pytest.mark.parametrize("seq_contiguous", [False, True], ids=["head_major", "seq_contiguous"])
-@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd"])
 def test_triton_block_quantizer_matches_the_reference(layout, seq_contiguous):
     x = _inputs(2, 150, 150, (3, 3, 40, 40), layout)[0].detach()
     x[:, :7] = 0
