@@ -97,15 +97,15 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int, only: set[str]) ->
 
     rows = []
     kernels = [
-        ("fwd", FWD[wide], lambda c: Launch(*c), forward, 2.0),
-        ("fwd_fp8", FWD_FP8[wide], lambda c: Launch(*c), forward_fp8, 2.0),
-        ("dkdv", DKDV[wide], lambda c: (Launch(*c), default_dq), backward, 5.0),
-        ("dq", DQ[wide], lambda c: (default_dkdv, Launch(*c)), backward, 5.0),
+        ("fwd", FWD[wide], default_fwd, lambda c: Launch(*c), forward, 2.0),
+        ("fwd_fp8", FWD_FP8[wide], default_fp8_launch(), lambda c: Launch(*c), forward_fp8, 2.0),
+        ("dkdv", DKDV[wide], default_dkdv, lambda c: (Launch(*c), default_dq), backward, 5.0),
+        ("dq", DQ[wide], default_dq, lambda c: (default_dkdv, Launch(*c)), backward, 5.0),
     ]
     with torch.no_grad():
         (cudnn_fwd,) = time_interleaved([cudnn], None, "cuda")
     (cudnn_step_ms,) = time_interleaved([cudnn_step], None, "cuda")
-    for kernel, candidates, launch_of, run, matmuls in (k for k in kernels if k[0] in only):
+    for kernel, candidates, default, launch_of, run, matmuls in (k for k in kernels if k[0] in only):
         reference = run(None)
         runnable, launches, same = [], [], []
         for candidate in candidates:
@@ -121,8 +121,6 @@ def _rows(seq: int, h_q: int, h_kv: int, d_qk: int, d_v: int, only: set[str]) ->
             launches.append(launch)
         times = time_interleaved([functools.partial(run, launch) for launch in launches], None, "cuda")
         peer = cudnn_step_ms - cudnn_fwd if kernel.startswith("d") else cudnn_fwd
-        default = {"fwd": default_fwd, "dkdv": default_dkdv, "dq": default_dq}.get(kernel)
-        default = default or default_fp8_launch(d_qk, d_v)
         for candidate, ms, ok in zip(runnable, times, same, strict=True):
             label = str(tuple(candidate or default)) + ("" if candidate else " default")
             row = {"Kernel": kernel, "Hq": h_q, "Hkv": h_kv, "Dqk": d_qk, "Dv": d_v, "Seq": seq}

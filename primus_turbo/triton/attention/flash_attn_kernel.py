@@ -67,9 +67,10 @@ def default_launches(d_qk: int, d_v: int) -> tuple[Launch, Launch, Launch]:
     return Launch(128, 64, 8, 3), Launch(64, 32, 4, 3), Launch(128, 64, 8, 3)
 
 
-def default_fp8_launch(d_qk: int, d_v: int) -> Launch:
-    """The FP8 forward's launch: 16-row tiles under the interpreter; else the fastest of
-    ``bench_attention_configs --fp8`` on an H200 (docs/performance.md)."""
+def default_fp8_launch() -> Launch:
+    """The FP8 forward's launch, for every head width: 16-row tiles under the interpreter; else the
+    fastest of ``bench_attention_configs --kernels fwd_fp8`` on an H200 at 128/128 and 192/128
+    (docs/performance.md)."""
     if interpreter_active():
         return Launch(16, 16, 4, 1)
     return Launch(64, 64, 4, 3)  # one warpgroup per program: programs on an SM overlap softmax and MMA
@@ -863,7 +864,7 @@ def flash_attn_fwd_triton(
         return lse
     cu_q, cu_k, stride_lb, stride_lh, packed = _packing(varlen, lse)
     fp8 = fp8_scales is not None
-    tiles = launch or (default_fp8_launch(d_qk, d_v) if fp8 else default_launches(d_qk, d_v)[0])
+    tiles = launch or (default_fp8_launch() if fp8 else default_launches(d_qk, d_v)[0])
     if fp8 and (FP8_BLOCK % tiles.block or FP8_BLOCK % tiles.step):
         raise ValueError(f"FP8 attention tiles must divide {FP8_BLOCK} tokens, got {tiles}")
     grid = (b * h_q, triton.cdiv(s_q, tiles.block))
