@@ -31,7 +31,7 @@ SHAPES = [(32, 8, 128, 128), (128, 128, 192, 128)]
 # Launch(block, step, warps, stages) candidates per kernel; None is the launcher's default
 FWD = {
     128: [None, (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2)],
-    192: [None, (128, 32, 8, 4), (64, 32, 4, 3), (128, 64, 8, 3), (128, 16, 8, 3)],
+    192: [None, (128, 32, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
 }
 FWD_FP8 = {
     128: [None, (64, 128, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 3)],
@@ -39,11 +39,11 @@ FWD_FP8 = {
 }
 DKDV = {
     128: [None, (64, 32, 4, 2), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 3), (128, 32, 8, 2)],
-    192: [None, (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 3)],
+    192: [None, (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)],
 }
 DQ = {
     128: [None, (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-    192: [None, (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 2)],
+    192: [None, (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 2)],
 }
 
 
@@ -137,11 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
     p.add_argument("--kernels", default="fwd,fwd_fp8,dkdv,dq", help="comma-separated kernels to sweep")
+    p.add_argument("--dqk", default="128,192", help="comma-separated q/k head dims of SHAPES to sweep")
     p.add_argument("-o", "--output", default="attention_configs.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     rows = []
-    for shape in SHAPES:
+    dims = {int(d) for d in args.dqk.split(",")}
+    for shape in (s for s in SHAPES if s[2] in dims):
         for seq in (int(s) for s in args.seqs.split(",")):
             rows += _rows(seq, *shape, set(args.kernels.split(",")))
     columns = ["Kernel", "Hq", "Dqk", "Seq", "Launch (block, step, warps, stages)", "ms", "TFLOPS"]

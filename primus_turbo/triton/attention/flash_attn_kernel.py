@@ -17,6 +17,7 @@ kernel per query block accumulates dQ.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -225,12 +226,68 @@ def _load_tile(base, rows, row_ok, stride_s, d, D, MASK_ROWS: tl.constexpr, EVEN
 
 
 @triton.jit
+def _load_qk(
+    base,
+    rows,
+    row_ok,
+    stride_s,
+    D_QK,
+    MASK_ROWS: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
+):
+    """A q or k tile as (its first BLOCK_DQK dims, the next BLOCK_DQK2) when SPLIT_QK, so that a head dim
+    such as 192 runs as 128 + 64 instead of padded to 256; else (the tile, the tile again)."""
+    first = _load_tile(base, rows, row_ok, stride_s, tl.arange(0, BLOCK_DQK), D_QK, MASK_ROWS, EVEN_D)
+    if SPLIT_QK:
+        d2 = tl.arange(0, BLOCK_DQK2)
+        second = _load_tile(base + BLOCK_DQK, rows, row_ok, stride_s, d2, D_QK - BLOCK_DQK, MASK_ROWS, EVEN_D)
+    else:
+        second = first
+    return first, second
+
+
+@triton.jit
+def _dot_qk(a, b, a2, b2, SPLIT_QK: tl.constexpr):
+    """a b, plus a2 b2 over the second part of a split head dim."""
+    out = tl.dot(a, b)
+    if SPLIT_QK:
+        out = tl.dot(a2, b2, out)
+    return out
+
+
+@triton.jit
+def _store_qk(
+    base,
+    rows,
+    row_ok,
+    stride_s,
+    D_QK,
+    x,
+    x2,
+    BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
+):
+    """Store a dq or dk tile held as ``_load_qk`` parts."""
+    ptrs, mask = _tile(base, rows, row_ok, stride_s, tl.arange(0, BLOCK_DQK), D_QK)
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=mask)
+    if SPLIT_QK:
+        d2 = tl.arange(0, BLOCK_DQK2)
+        ptrs, mask = _tile(base + BLOCK_DQK, rows, row_ok, stride_s, d2, D_QK - BLOCK_DQK)
+        tl.store(ptrs, x2.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fwd_keys(
     acc,
     m_i,
     l_i,
     acc_unit,
     q,
+    q2,
     k_base,
     v_base,
     lo,
@@ -258,6 +315,8 @@ def _fwd_keys(
     SCALE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -270,14 +329,13 @@ def _fwd_keys(
     subnormal range, and the output divides it out. FP8 also keeps ``acc`` in units of the last v block's
     scale (``acc_unit``): a change of block rescales it with the softmax correction, and P V accumulates
     in place."""
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
-        k = tl.trans(_load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, MASK, EVEN_D))
+        k, k2 = _load_qk(k_base, cols, col_ok, stride_ks, D_QK, MASK, EVEN_D, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2)
         v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, MASK, EVEN_D, stride_vd)
-        s = tl.dot(q, k)
+        s = _dot_qk(q, tl.trans(k), q2, tl.trans(k2), SPLIT_QK)
         c = scale_log2
         if FP8:
             c = scale_log2 * tl.load(ks_ptr + kv_scales + start_n // SCALE_BLOCK)
@@ -352,6 +410,8 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -364,11 +424,10 @@ def _attn_fwd_kernel(
     q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
     k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
     rows = start_m + tl.arange(0, BLOCK_M)
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     row_ok = rows < seq_q
     q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
-    q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, True, EVEN_D)
+    q, q2 = _load_qk(q_base, rows, row_ok, stride_qs, D_QK, True, EVEN_D, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2)
     k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
     v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
     kv_scales = 0
@@ -394,10 +453,10 @@ def _attn_fwd_kernel(
     for part in tl.static_range(3):  # masked blocks left of the whole ones, the whole ones, masked right
         first, last = _part(part, lo, full_lo, full_hi, hi)
         acc, m_i, l_i, acc_unit = _fwd_keys(
-            acc, m_i, l_i, acc_unit, q, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs,
-            stride_vd, D_QK, D_V, scale_log2, ks_ptr, vs_ptr, kv_scales, WINDOW_LEFT, WINDOW_RIGHT,
-            HAS_LEFT, HAS_RIGHT, part != 1, FP8, P_LOG2, EVEN_D, SCALE_BLOCK, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-            NUM_STAGES,
+            acc, m_i, l_i, acc_unit, q, q2, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks,
+            stride_vs, stride_vd, D_QK, D_V, scale_log2, ks_ptr, vs_ptr, kv_scales, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_LEFT, HAS_RIGHT, part != 1, FP8, P_LOG2, EVEN_D, SCALE_BLOCK, BLOCK_N, BLOCK_DQK, SPLIT_QK,
+            BLOCK_DQK2, BLOCK_DV, NUM_STAGES,
         )  # fmt: skip
     seen = l_i > 0
     out = acc * (acc_unit / tl.where(seen, l_i, 1.0))[:, None]
@@ -412,8 +471,10 @@ def _attn_fwd_kernel(
 @triton.jit
 def _dkdv_queries(
     dk,
+    dk2,
     dv,
     k,
+    k2,
     v,
     q_base,
     do_base,
@@ -437,18 +498,19 @@ def _dkdv_queries(
     EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """dK and dV of one key block over query blocks [lo, hi) of one head; MASK as in ``_fwd_keys``."""
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows < seq_q
-        q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, MASK, EVEN_D)
+        q, q2 = _load_qk(q_base, rows, row_ok, stride_qs, D_QK, MASK, EVEN_D, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2)
         do = _load_tile(do_base, rows, row_ok, stride_dos, d_v, D_V, MASK, EVEN_D)
-        s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
+        s_t = _dot_qk(k, tl.trans(q), k2, tl.trans(q2), SPLIT_QK) * scale_log2  # [BLOCK_N, BLOCK_M]
         if MASK:
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
@@ -462,9 +524,11 @@ def _dkdv_queries(
             p_t = tl.math.exp2(s_t - lse2[None, :])
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
-    return dk, dv
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q)
+        if SPLIT_QK:
+            dk2 += tl.dot(ds_t, q2)
+    return dk, dk2, dv
 
 
 @triton.jit
@@ -497,11 +561,14 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb,
     stride_dvs,
     stride_dvh,
+    stride_dk_split,
+    stride_dv_split,
     stride_lb,
     stride_lh,
     H_Q,
     H_KV,
     GROUP,
+    SPLITS,
     S_Q,
     S_K,
     D_QK,
@@ -517,13 +584,22 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    bhk = tl.program_id(0)
+    bhk = tl.program_id(0) // SPLITS
+    split = tl.program_id(0) % SPLITS
     pid_n = tl.program_id(1)
     b = bhk // H_KV
     hk = bhk % H_KV
+    # SPLITS > 1: this program takes one share of the group's query heads and writes partial sums
+    heads = tl.cdiv(GROUP, SPLITS)
+    g_lo = split * heads
+    g_hi = tl.minimum(g_lo + heads, GROUP)
+    dk_ptr += split.to(tl.int64) * stride_dk_split
+    dv_ptr += split.to(tl.int64) * stride_dv_split
     q0, seq_q = _sequence(cu_q_ptr, b, S_Q, VARLEN)
     k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
     if PAIRED:  # key blocks n and last - n: under a causal mask their query counts add up to a constant
@@ -537,9 +613,9 @@ def _attn_bwd_dkdv_kernel(
             tl.where(t == 0, pid_n, last - pid_n) * BLOCK_N, b, hk, q0, seq_q, k0, seq_k, q_ptr, k_ptr, v_ptr,
             do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
             stride_kh, stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh, stride_dkb,
-            stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, GROUP, D_QK,
-            D_V, scale, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_DQK,
-            BLOCK_DV, NUM_STAGES,
+            stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, GROUP, g_lo,
+            g_hi, D_QK, D_V, scale, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N,
+            BLOCK_DQK, SPLIT_QK, BLOCK_DQK2, BLOCK_DV, NUM_STAGES,
         )  # fmt: skip
 
 
@@ -581,6 +657,8 @@ def _dkdv_block(
     stride_lb,
     stride_lh,
     GROUP,
+    g_lo,
+    g_hi,
     D_QK,
     D_V,
     scale,
@@ -592,19 +670,22 @@ def _dkdv_block(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """dK and dV of key block ``start_n`` of kv head ``hk``, summed over its query heads."""
+    """dK and dV of key block ``start_n`` of kv head ``hk``, summed over query heads [g_lo, g_hi) of its
+    group."""
     cols = start_n + tl.arange(0, BLOCK_N)
     col_ok = cols < seq_k
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
-    k = _load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, True, EVEN_D)
+    k, k2 = _load_qk(k_base, cols, col_ok, stride_ks, D_QK, True, EVEN_D, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2)
     v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
     v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, True, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], dtype=tl.float32)  # unused unless SPLIT_QK
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # queries that may see this key block: i in [j - diag - right, j - diag + left]
     diag = seq_k - seq_q
@@ -619,23 +700,23 @@ def _dkdv_block(
         start_n, seq_q, seq_k, q_lo, q_hi, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     scale_log2 = scale * _LOG2E
-    for g in range(GROUP):
+    for g in range(g_lo, g_hi):
         h = hk * GROUP + g
         q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
         do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
         stat = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q0
         for part in tl.static_range(3):  # masked query blocks, the whole ones, masked again
             first, last = _part(part, q_lo, full_lo, full_hi, q_hi)
-            dk, dv = _dkdv_queries(
-                dk, dv, k, v, q_base, do_base, lse_ptr + stat, delta_ptr + stat, first, last, cols, seq_q,
-                seq_k, stride_qs, stride_dos, D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT,
-                HAS_RIGHT, part != 1, EVEN_D, BLOCK_M, BLOCK_DQK, BLOCK_DV, NUM_STAGES,
+            dk, dk2, dv = _dkdv_queries(
+                dk, dk2, dv, k, k2, v, q_base, do_base, lse_ptr + stat, delta_ptr + stat, first, last, cols,
+                seq_q, seq_k, stride_qs, stride_dos, D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT,
+                HAS_LEFT, HAS_RIGHT, part != 1, EVEN_D, BLOCK_M, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2, BLOCK_DV,
+                NUM_STAGES,
             )  # fmt: skip
-    dk = dk * scale
-    dk_ptrs, dk_mask = _tile(
-        _head(dk_ptr, b, hk, k0, stride_dkb, stride_dkh, stride_dks), cols, col_ok, stride_dks, d_qk, D_QK
+    dk_base = _head(dk_ptr, b, hk, k0, stride_dkb, stride_dkh, stride_dks)
+    _store_qk(
+        dk_base, cols, col_ok, stride_dks, D_QK, dk * scale, dk2 * scale, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2
     )
-    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=dk_mask)
     dv_ptrs, dv_mask = _tile(
         _head(dv_ptr, b, hk, k0, stride_dvb, stride_dvh, stride_dvs), cols, col_ok, stride_dvs, d_v, D_V
     )
@@ -645,7 +726,9 @@ def _dkdv_block(
 @triton.jit
 def _dq_keys(
     dq,
+    dq2,
     q,
+    q2,
     do,
     lse2,
     delta,
@@ -669,27 +752,30 @@ def _dq_keys(
     EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """dQ of one query block over key blocks [lo, hi); MASK as in ``_fwd_keys``."""
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols < seq_k
-        k = _load_tile(k_base, cols, col_ok, stride_ks, d_qk, D_QK, MASK, EVEN_D)
+        k, k2 = _load_qk(k_base, cols, col_ok, stride_ks, D_QK, MASK, EVEN_D, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2)
         v = _load_tile(v_base, cols, col_ok, stride_vs, d_v, D_V, MASK, EVEN_D)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = _dot_qk(q, tl.trans(k), q2, tl.trans(k2), SPLIT_QK) * scale_log2
         if MASK:
             band = _band(rows, cols, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT)
             p = tl.where(band, tl.math.exp2(s - lse2[:, None]), 0.0)
         else:
             p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    return dq
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq += tl.dot(ds, k)
+        if SPLIT_QK:
+            dq2 += tl.dot(ds, k2)
+    return dq, dq2
 
 
 @triton.jit
@@ -740,6 +826,8 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr,
+    SPLIT_QK: tl.constexpr,
+    BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -752,10 +840,9 @@ def _attn_bwd_dq_kernel(
     k0, seq_k = _sequence(cu_k_ptr, b, S_K, VARLEN)
     rows = start_m + tl.arange(0, BLOCK_M)
     row_ok = rows < seq_q
-    d_qk = tl.arange(0, BLOCK_DQK)
     d_v = tl.arange(0, BLOCK_DV)
     q_base = _head(q_ptr, b, h, q0, stride_qb, stride_qh, stride_qs)
-    q = _load_tile(q_base, rows, row_ok, stride_qs, d_qk, D_QK, True, EVEN_D)
+    q, q2 = _load_qk(q_base, rows, row_ok, stride_qs, D_QK, True, EVEN_D, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2)
     do_base = _head(do_ptr, b, h, q0, stride_dob, stride_doh, stride_dos)
     do = _load_tile(do_base, rows, row_ok, stride_dos, d_v, D_V, True, EVEN_D)
     o = _load_tile(_head(o_ptr, b, h, q0, stride_ob, stride_oh, stride_os), rows, row_ok, stride_os, d_v, D_V,
@@ -770,6 +857,7 @@ def _attn_bwd_dq_kernel(
     k_base = _head(k_ptr, b, hk, k0, stride_kb, stride_kh, stride_ks)
     v_base = _head(v_ptr, b, hk, k0, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], dtype=tl.float32)  # unused unless SPLIT_QK
     lo, hi = _key_range(
         start_m, seq_q, seq_k, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
@@ -779,16 +867,15 @@ def _attn_bwd_dq_kernel(
     )
     for part in tl.static_range(3):  # as in the forward
         first, last = _part(part, lo, full_lo, full_hi, hi)
-        dq = _dq_keys(
-            dq, q, do, lse2, delta, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks, stride_vs,
-            D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, part != 1, EVEN_D, BLOCK_N,
-            BLOCK_DQK, BLOCK_DV, NUM_STAGES,
+        dq, dq2 = _dq_keys(
+            dq, dq2, q, q2, do, lse2, delta, k_base, v_base, first, last, rows, seq_q, seq_k, stride_ks,
+            stride_vs, D_QK, D_V, scale_log2, WINDOW_LEFT, WINDOW_RIGHT, HAS_LEFT, HAS_RIGHT, part != 1,
+            EVEN_D, BLOCK_N, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2, BLOCK_DV, NUM_STAGES,
         )  # fmt: skip
-    dq = dq * scale
-    dq_ptrs, dq_mask = _tile(
-        _head(dq_ptr, b, h, q0, stride_dqb, stride_dqh, stride_dqs), rows, row_ok, stride_dqs, d_qk, D_QK
+    dq_base = _head(dq_ptr, b, h, q0, stride_dqb, stride_dqh, stride_dqs)
+    _store_qk(
+        dq_base, rows, row_ok, stride_dqs, D_QK, dq * scale, dq2 * scale, BLOCK_DQK, SPLIT_QK, BLOCK_DQK2
     )
-    tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=dq_mask)
 
 
 class Varlen(NamedTuple):
@@ -802,9 +889,10 @@ class Varlen(NamedTuple):
 
 def _bsh(t: torch.Tensor) -> tuple[int, int, int]:
     """Batch, sequence and head strides of a [B, S, H, D] tensor, or (0, token, head) of packed [T, H, D]."""
-    if t.dim() == 3:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+    strides = t.stride()
+    if len(strides) == 3:
+        return 0, strides[0], strides[1]
+    return strides[0], strides[1], strides[2]
 
 
 def _dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
@@ -822,11 +910,19 @@ def _bounded(window: int, s_q: int, s_k: int) -> int:
     return -1 if window >= s_q + s_k else window
 
 
+@functools.lru_cache(maxsize=None)
 def _head_dims(d_qk: int, d_v: int) -> dict[str, int | bool]:
-    """Head-dimension tile widths (powers of two, at least 16) and whether they equal the head dims, so
-    that loads need no mask along them."""
-    block_qk, block_v = max(16, triton.next_power_of_2(d_qk)), max(16, triton.next_power_of_2(d_v))
-    return dict(BLOCK_DQK=block_qk, BLOCK_DV=block_v, EVEN_D=(block_qk, block_v) == (d_qk, d_v))
+    """Head-dimension tile widths (powers of two, at least 16) and whether they cover the head dims exactly,
+    so that loads need no mask along them. A q/k head dim between powers of two runs as two tiles, the
+    largest power of two below it and the rest (192 = 128 + 64, 96 = 64 + 32), instead of one padded tile."""
+    block_v = max(16, triton.next_power_of_2(d_v))
+    block_qk, block_qk2 = max(16, triton.next_power_of_2(d_qk)), 16
+    split = block_qk != d_qk and d_qk > 16
+    if split:
+        block_qk //= 2
+        block_qk2 = max(16, triton.next_power_of_2(d_qk - block_qk))
+    even = (block_qk + block_qk2 * split, block_v) == (d_qk, d_v)
+    return dict(BLOCK_DQK=block_qk, SPLIT_QK=split, BLOCK_DQK2=block_qk2, BLOCK_DV=block_v, EVEN_D=even)
 
 
 def _packing(varlen: Varlen | None, lse: torch.Tensor) -> tuple:
@@ -910,6 +1006,16 @@ def flash_attn_fwd_triton(
     return lse
 
 
+def _group_splits(group: int, programs: int, sms: int) -> int:
+    """Shares to split each group's query heads into across dK/dV programs: 1 while the grid fills the
+    GPU; else enough for about two programs per multiprocessor (a causal grid's programs differ in
+    length, so one wave of them leaves most multiprocessors idle at its end)."""
+    if programs >= sms or group == 1:
+        return 1
+    heads = triton.cdiv(group, min(group, triton.cdiv(2 * sms, programs)))
+    return triton.cdiv(group, heads)
+
+
 def flash_attn_bwd_triton(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -948,14 +1054,22 @@ def flash_attn_bwd_triton(
         )  # fmt: skip
     if s_k and b * h_kv:
         key_blocks = triton.cdiv(s_k, dkdv.block)
+        programs, sms = b * h_kv * key_blocks, num_sms(q.device)
         # pair key blocks where a right bound makes their work uneven and half the grid still fills the GPU
-        paired = window_right >= 0 and (
-            interpreter_active() or b * h_kv * key_blocks >= 2 * num_sms(q.device)
-        )
-        _attn_bwd_dkdv_kernel[(b * h_kv, triton.cdiv(key_blocks, 2) if paired else key_blocks)](
-            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
-            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk), *_bsh(dv), stride_lb, stride_lh,
-            h_q, h_kv, h_q // h_kv, s_q, s_k, d_qk, d_v, scale, window_left, window_right, PAIRED=paired,
-            BLOCK_M=dkdv.step, BLOCK_N=dkdv.block, NUM_STAGES=dkdv.stages, num_warps=dkdv.warps, **flags,
+        paired = window_right >= 0 and (interpreter_active() or programs >= 2 * sms)
+        splits = 1 if paired else _group_splits(h_q // h_kv, programs, sms)
+        dk_to, dv_to, split_strides = dk, dv, (0, 0)
+        if splits > 1:  # fp32 partial sums per share of each group's query heads, added below in fixed order
+            sums = [torch.empty((splits, *t.shape), dtype=torch.float32, device=t.device) for t in (dk, dv)]
+            dk_to, dv_to, split_strides = sums[0][0], sums[1][0], (sums[0].stride(0), sums[1].stride(0))
+        _attn_bwd_dkdv_kernel[(b * h_kv * splits, triton.cdiv(key_blocks, 2) if paired else key_blocks)](
+            q, k, v, do, lse, delta, dk_to, dv_to, cu_q, cu_k,
+            *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do), *_bsh(dk_to), *_bsh(dv_to), *split_strides,
+            stride_lb, stride_lh, h_q, h_kv, h_q // h_kv, splits, s_q, s_k, d_qk, d_v, scale, window_left,
+            window_right, PAIRED=paired, BLOCK_M=dkdv.step, BLOCK_N=dkdv.block, NUM_STAGES=dkdv.stages,
+            num_warps=dkdv.warps, **flags,
         )  # fmt: skip
+        if splits > 1:
+            dk.copy_(sums[0].sum(0))
+            dv.copy_(sums[1].sum(0))
     return delta

@@ -220,6 +220,29 @@ def test_compiles_fullgraph_with_eager_strides(layout, sink):
     assert q.grad is not None and (s is None or s.grad is not None)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_small_grids_split_query_head_groups(monkeypatch, causal):
+    """A dK/dV grid smaller than the GPU splits each group's query heads into shares summed afterwards;
+    the gradients still match the reference."""
+    from primus_turbo.triton.attention import flash_attn_kernel as kernel
+
+    splits = []
+    choose = kernel._group_splits
+    monkeypatch.setattr(kernel, "_group_splits", lambda *a: splits.append(choose(*a)) or splits[-1])
+    monkeypatch.setattr(kernel, "interpreter_active", lambda: False)  # the interpreter pairs causal blocks
+    _check(BackendType.TRITON, 1, (20, 20), (6, 1, 32, 32), causal=causal)
+    assert splits and splits[-1] > 1
+
+
+def test_group_splits():
+    from primus_turbo.triton.attention.flash_attn_kernel import _group_splits
+
+    assert _group_splits(7, 128, 132) == 3  # Qwen2.5-7B at 2048 tokens: shares of 3, 3 and 1 heads
+    assert _group_splits(4, 256, 132) == 1  # the grid already fills the GPU
+    assert _group_splits(1, 8, 132) == 1  # MHA: nothing to split
+    assert _group_splits(6, 1, 132) == 6
+
+
 @pytest.mark.deterministic
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_deterministic_bitwise(backend):
