@@ -64,7 +64,7 @@ def default_launches(d_qk: int, d_v: int) -> tuple[Launch, Launch, Launch]:
     if width > 384:  # 256-wide q/k and v tiles: smaller blocks keep the pipelines in shared memory
         return Launch(64, 32, 8, 3), Launch(32, 32, 8, 3), Launch(64, 32, 8, 3)
     if width > 256:
-        return Launch(128, 64, 8, 3), Launch(64, 64, 8, 3), Launch(128, 32, 8, 3)
+        return Launch(128, 64, 8, 3), Launch(128, 32, 8, 3), Launch(128, 64, 8, 3)
     return Launch(128, 64, 8, 3), Launch(64, 32, 4, 3), Launch(128, 64, 8, 3)
 
 
