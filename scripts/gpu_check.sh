@@ -32,7 +32,7 @@
 #   ATTN=1              also run the attention benchmark (ATTN_SEQS, default 2048,4096,8192; ATTN_BACKENDS,
 #                       default TRITON,DEFAULT,FP8)
 #   ATTN_SWEEP=1        time the Triton attention kernels' tile candidates against SDPA-cuDNN (ATTN_SEQS;
-#                       ATTN_KERNELS, default fwd,fwd_fp8,dkdv,dq)
+#                       ATTN_KERNELS, default fwd,fwd_fp8,dkdv,dq; ATTN_DQK, default 128,192)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
@@ -144,7 +144,7 @@ if [ "${ATTN:-0}" = 1 ]; then
 fi
 if [ "${ATTN_SWEEP:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_attention_configs \
-    --seqs "${ATTN_SEQS:-4096,8192}" --kernels "${ATTN_KERNELS:-fwd,fwd_fp8,dkdv,dq}" \
+    --seqs "${ATTN_SEQS:-4096,8192}" --kernels "${ATTN_KERNELS:-fwd,fwd_fp8,dkdv,dq}" --dqk "${ATTN_DQK:-128,192}" \
     -o "$OUT/attention_configs.csv" 2>&1 \
     | tee "$OUT/bench_attention_configs.log" || status=1
 fi

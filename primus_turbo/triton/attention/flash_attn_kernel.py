@@ -11,8 +11,10 @@ per-head sink adds ``exp(sink[h])`` to every softmax denominator with a zero val
 that sees no key (and has no sink) gets a zero output and ``lse = -inf``.
 
 The backward recomputes P from the saved log-sum-exp: one kernel per key block accumulates dK and dV
-over every query head of its group and every query block (no atomics, so it is deterministic), and one
-kernel per query block accumulates dQ.
+over every query head of its group and every query block (no atomics, so it is deterministic; a grid
+smaller than the GPU splits the group into shares whose fp32 partial sums are added in a fixed order), and
+one kernel per query block accumulates dQ. A q/k head dim between powers of two runs as two tiles (192 =
+128 + 64) rather than one padded tile.
 """
 
 from __future__ import annotations
