@@ -10,12 +10,14 @@ import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from primus_turbo.pytorch.core import backend as backend_module
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.kernels.attention import flash_attn_impl as impl
 from primus_turbo.pytorch.ops import flash_attn_func, flash_attn_varlen_func
-from tests.pytorch.ref.attention_ref import attention_ref
+from tests.pytorch.ref.attention_ref import attention_grads_ref, attention_ref
 from tests.pytorch.test_utils import DEVICES, compute_snr
 
 DEVICE = DEVICES[0]
@@ -218,6 +220,60 @@ def test_compiles_fullgraph_with_eager_strides(layout, sink):
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     out.float().sum().backward()
     assert q.grad is not None and (s is None or s.grad is not None)
+
+
+@settings(
+    max_examples=40 if ON_GPU else 12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    b=st.integers(1, 2),
+    seqs=st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    head_dims=st.tuples(st.sampled_from([16, 24, 40, 48, 64, 96]), st.sampled_from([16, 32, 40])),
+    causal=st.booleans(),
+    window=st.tuples(st.integers(-1, 12), st.integers(-1, 12)),
+    sink=st.booleans(),
+    layout=st.sampled_from(LAYOUTS),
+)
+def test_triton_matches_reference_on_fuzzed_inputs(
+    b, seqs, kv_heads, group, head_dims, causal, window, sink, layout
+):
+    """Random shapes, GQA groups, head dims off powers of two (split tiles), windows, sinks and layouts: the
+    output against the exact fp64 reference, the gradients against the fp64 flash-attention backward on the
+    kernel's own output (``attention_grads_ref``; the exact gradient differs from it by the output's
+    rounding wherever dP - delta cancels, in every flash-attention kernel)."""
+    GlobalBackendManager.set_attn_backend(BackendType.TRITON, PrecisionType.BF16_FP16_FP32)
+    heads = (kv_heads * group, kv_heads, *head_dims)
+    q, k, v, s = _inputs(b, *seqs, heads, layout, sink=sink)
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window, sink=s)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, out.dtype)
+    out.backward(grad)
+    q_, k_, v_, s_ = (t.detach() if t is not None else None for t in (q, k, v, s))
+    scale = head_dims[0] ** -0.5
+    _assert_matches(attention_ref(q_, k_, v_, scale, causal, window, s_), out)
+    expected = attention_grads_ref(q_, k_, v_, scale, causal, window, s_, grad, out.detach())
+    for theirs, mine in zip(expected, (q.grad, k.grad, v.grad, s.grad if sink else None), strict=True):
+        if theirs is not None:
+            _assert_matches(theirs, mine)
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["plain", "sink"])
+def test_grads_reference_is_autograd_on_the_exact_output(sink):
+    q, k, v, s = (
+        t.detach().double() if t is not None else None for t in _inputs(2, 9, 13, (4, 2, 16, 8), sink=sink)
+    )
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (q, k, v, s)]
+    out = attention_ref(*leaves[:3], 0.25, True, (5, -1), leaves[3])
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out.backward(grad)
+    expected = attention_grads_ref(q, k, v, 0.25, True, (5, -1), s, grad, out.detach())
+    for mine, leaf in zip(expected, leaves, strict=True):
+        if leaf is not None:
+            torch.testing.assert_close(mine, leaf.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
