@@ -33,6 +33,8 @@
 #                       default TRITON,DEFAULT,FP8)
 #   ATTN_SWEEP=1        time the Triton attention kernels' tile candidates against SDPA-cuDNN (ATTN_SEQS;
 #                       ATTN_KERNELS, default fwd,fwd_fp8,dkdv,dq; ATTN_DQK, default 128,192)
+#   ATTN_HOST=1         host time per attention call (TRITON, default route, bare SDPA, the launchers, a cProfile
+#                       of the TRITON step) at a tiny shape (scripts/profile_attention_host.py)
 #   MOE=1               also run the MoE router and permutation benchmarks
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
@@ -147,6 +149,11 @@ if [ "${ATTN_SWEEP:-0}" = 1 ]; then
     --seqs "${ATTN_SEQS:-4096,8192}" --kernels "${ATTN_KERNELS:-fwd,fwd_fp8,dkdv,dq}" --dqk "${ATTN_DQK:-128,192}" \
     -o "$OUT/attention_configs.csv" 2>&1 \
     | tee "$OUT/bench_attention_configs.log" || status=1
+fi
+if [ "${ATTN_HOST:-0}" = 1 ]; then
+  PYTHONPATH=. timeout 300 .venv/bin/python scripts/profile_attention_host.py > "$OUT/attention_host.log" 2>&1 \
+    || status=1
+  head -n 60 "$OUT/attention_host.log" | cut -c1-160
 fi
 if [ "${MOE:-0}" = 1 ]; then
   for timer in graph events; do
