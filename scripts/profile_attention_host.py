@@ -58,6 +58,7 @@ class _Identity(torch.autograd.Function):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Print the per-call host times, then the cProfile and torch.profiler tables of the TRITON step."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--heads", default="32,8", help="query heads, key/value heads")
