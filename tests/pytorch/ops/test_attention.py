@@ -223,7 +223,7 @@ def test_compiles_fullgraph_with_eager_strides(layout, sink):
 
 
 @settings(
-    max_examples=40 if ON_GPU else 12,
+    max_examples=40 if ON_GPU else 8,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
