@@ -1,10 +1,11 @@
 """Host time per call of flash attention on a GPU, at a shape small enough that the GPU waits on the host.
 
-Wall time over many calls (one synchronize at the end) of the TRITON backend's forward and forward +
-backward, of the default route (SDPA, cuDNN first) and of a bare ``scaled_dot_product_attention``; the
-TRITON launchers alone, called from the main thread and from a second thread (autograd runs a CUDA
-backward on its own thread); a trivial ``autograd.Function`` round trip; then the host time per Python
-function of the TRITON step (cProfile: on Python 3.12 it sees every thread) and torch.profiler's CPU table.
+Host time over many calls (``bench_gemm_overhead.host_us``, one synchronize at the end) of the TRITON
+backend's forward and forward + backward, of the default route (SDPA, cuDNN first) and of a bare
+``scaled_dot_product_attention``; the TRITON launchers alone, called from the main thread and from a
+second thread (autograd runs a CUDA backward on its own thread); a trivial ``autograd.Function`` round
+trip; then the host time per Python function of the TRITON step (cProfile: on Python 3.12 it sees every
+thread) and torch.profiler's CPU table.
 
     PYTHONPATH=. python scripts/profile_attention_host.py --tokens 128 --heads 32,8 --dim 128
 """
@@ -15,27 +16,15 @@ import argparse
 import cProfile
 import pstats
 import threading
-import time
 from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmark.ops.training.bench_gemm_overhead import host_us
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
 from primus_turbo.pytorch.ops import flash_attn_func
 from primus_turbo.triton.attention import flash_attn_kernel as kernels
-
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    """Wall microseconds per call over ``calls`` calls after a warm-up, the GPU drained at both ends."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def in_thread(fn: Callable[[], float]) -> float:
@@ -96,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
         GlobalBackendManager.reset()
         if label == "TRITON":
             GlobalBackendManager.set_attn_backend(BackendType.TRITON)
-        rows.append((f"{label} forward", per_call_us(forward(attention), args.calls)))
-        rows.append((f"{label} forward + backward", per_call_us(step(attention), args.calls)))
-    rows.append(("bare SDPA forward", per_call_us(forward(sdpa), args.calls)))
-    rows.append(("bare SDPA forward + backward", per_call_us(step(sdpa), args.calls)))
+        rows.append((f"{label} forward", host_us(forward(attention), args.calls)))
+        rows.append((f"{label} forward + backward", host_us(step(attention), args.calls)))
+    rows.append(("bare SDPA forward", host_us(forward(sdpa), args.calls)))
+    rows.append(("bare SDPA forward + backward", host_us(step(sdpa), args.calls)))
 
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out = torch.empty_like(grad)
@@ -112,16 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     def bwd_launcher() -> None:
         kernels.flash_attn_bwd_triton(grad, qd, kd, vd, out, lse, args.dim**-0.5, -1, 0, *grads)
 
-    rows.append(("TRITON forward launcher", per_call_us(fwd_launcher, args.calls)))
-    rows.append(("TRITON backward launcher", per_call_us(bwd_launcher, args.calls)))
+    rows.append(("TRITON forward launcher", host_us(fwd_launcher, args.calls)))
+    rows.append(("TRITON backward launcher", host_us(bwd_launcher, args.calls)))
     rows.append(
-        ("TRITON backward launcher, 2nd thread", in_thread(lambda: per_call_us(bwd_launcher, args.calls)))
+        ("TRITON backward launcher, 2nd thread", in_thread(lambda: host_us(bwd_launcher, args.calls)))
     )
     x = torch.randn(grad.shape, device="cuda", requires_grad=True)
     rows.append(
         (
             "trivial autograd.Function fwd + bwd",
-            per_call_us(lambda: _Identity.apply(x).backward(grad.float()), args.calls),
+            host_us(lambda: _Identity.apply(x).backward(grad.float()), args.calls),
         )
     )
     for name, us in rows:
