@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def sdpa() -> torch.Tensor:
         views = (t.transpose(1, 2) for t in (q, k, v))
-        return torch.nn.functional.scaled_dot_product_attention(
-            *views, is_causal=True, enable_gqa=h_q != h_kv
-        )
+        out = torch.nn.functional.scaled_dot_product_attention(*views, is_causal=True, enable_gqa=h_q != h_kv)
+        return out.transpose(1, 2)
 
     def forward(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
