@@ -529,8 +529,17 @@ def main(argv: list[str] | None = None) -> int:
         lambda: router.router_bwd_triton(logits, routing, logits, logits, 8, False, 2.5),
     )
     hidden, rows_map = torch.empty(4096, 7168, dtype=bf16), torch.empty(4096, 256, dtype=torch.int32)
-    src, permuted = torch.empty(32768, dtype=torch.int32), torch.empty(32768, 7168, dtype=bf16)
-    attempt("moe permute (gather rows)", lambda: permute.gather_rows_triton(hidden, src, torch.empty(32768)))
+    permuted, experts = torch.empty(32768, 7168, dtype=bf16), torch.empty(256, dtype=torch.int32)
+    attempt("moe expert layout", lambda: permute.expert_layout_triton(routing, 128, 40960))
+    attempt("moe expert bounds", lambda: permute.expert_bounds_triton(rows_map))
+    attempt(
+        "moe permute (scatter rows)",
+        lambda: permute.scatter_rows_triton(hidden, rows_map, experts, experts, logits, 32768, False),
+    )
+    attempt(
+        "moe unpermute backward (scaled scatter)",
+        lambda: permute.scatter_rows_triton(hidden, rows_map, experts, experts, logits, 32768, True),
+    )
     attempt("moe unpermute (merge rows)", lambda: permute.merge_rows_triton(permuted, rows_map, logits))
     attempt("moe unpermute weight grad", lambda: permute.route_dots_triton(hidden, permuted, rows_map))
     print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)

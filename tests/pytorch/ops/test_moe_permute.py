@@ -109,10 +109,13 @@ def test_fp8_scales_follow_their_tokens():
 def test_opcheck_and_compile():
     _, routing_map, probs = _routing(10, 4, 2, seed=6)
     x = _tokens(10, 16).detach()
-    row_id_map, _, rows = impl.destination_rows(routing_map, 4, -1)
-    src, _ = impl.source_rows(row_id_map, rows)
-    torch.library.opcheck(impl.moe_gather_rows_impl, (x, src, None))
-    torch.library.opcheck(impl.moe_gather_rows_impl, (x, src, torch.rand(rows, device=DEVICE)))
+    torch.library.opcheck(impl.moe_expert_layout_impl, (routing_map, 4, -1))
+    torch.library.opcheck(impl.moe_expert_layout_impl, (routing_map, 0, 12))
+    row_id_map, counts, start, total = impl.moe_expert_layout_impl(routing_map, 4, -1)
+    rows = int(total)
+    torch.library.opcheck(impl.moe_expert_bounds_impl, (row_id_map,))
+    torch.library.opcheck(impl.moe_scatter_rows_impl, (x, row_id_map, start, counts, None, rows, False))
+    torch.library.opcheck(impl.moe_scatter_rows_impl, (x, row_id_map, start, counts, probs, rows, True))
     y = torch.randn(rows, 16, device=DEVICE)
     torch.library.opcheck(impl.moe_merge_rows_impl, (y, row_id_map, probs))
     torch.library.opcheck(impl.moe_route_dots_impl, (x, y, row_id_map))
@@ -151,26 +154,31 @@ def test_bad_input_raises_clear_error():
         moe_unpermute(x, routing_map.long())
 
 
-def test_torch_fallback_matches_the_kernels(monkeypatch):
-    _, routing_map, probs = _routing(14, 5, 2, seed=8)
-    x = _tokens(14, 20).detach()
-    row_id_map, _, rows = impl.destination_rows(routing_map, 8, -1)
-    src, _ = impl.source_rows(row_id_map, rows)
-    y = torch.randn(rows, 20, device=DEVICE)
-    scale = torch.rand(rows, device=DEVICE)
-    kernels = (
-        impl.moe_gather_rows_impl(x, src, scale),
-        impl.moe_merge_rows_impl(y, row_id_map, probs),
-        impl.moe_route_dots_impl(x, y, row_id_map),
-    )
+@pytest.mark.parametrize(("pad_multiple", "num_rows"), [(8, -1), (0, -1), (4, 9), (0, 40)])
+def test_torch_fallback_matches_the_kernels(monkeypatch, pad_multiple, num_rows):
+    _, routing_map, probs = _routing(70, 5, 2, seed=8, empty_expert=2)
+    x = _tokens(70, 20).detach()
+
+    def run():
+        layout = impl.moe_expert_layout_impl(routing_map, pad_multiple, num_rows)
+        row_id_map, counts, start, total = layout
+        rows = num_rows if num_rows > 0 else int(total)
+        y = torch.randn(rows, 20, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        bounds = impl.moe_expert_bounds_impl(row_id_map)
+        routed = counts > 0
+        return (
+            row_id_map, counts, start[routed], total, bounds[0][routed], bounds[1],
+            *impl.moe_scatter_rows_impl(x, row_id_map, start, counts, None, rows, False),
+            *impl.moe_scatter_rows_impl(x, row_id_map, *bounds, probs, rows, True),
+            impl.moe_merge_rows_impl(y, row_id_map, probs),
+            impl.moe_route_dots_impl(x[:, :20], y, row_id_map),
+        )  # fmt: skip
+
+    kernels = run()
     monkeypatch.setattr(impl, "triton_runs_on", lambda device: False)
-    fallback = (
-        impl.moe_gather_rows_impl(x, src, scale),
-        impl.moe_merge_rows_impl(y, row_id_map, probs),
-        impl.moe_route_dots_impl(x, y, row_id_map),
-    )
+    fallback = run()
     for mine, theirs in zip(kernels, fallback, strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine, theirs.to(mine.dtype), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_fallback_takes_empty_and_fp8_inputs(monkeypatch):

@@ -1,6 +1,7 @@
-"""MoE token permutation: the destination map computed on the device, and custom ops for the row movement
-(``primus_turbo::moe_gather_rows`` / ``moe_merge_rows`` / ``moe_route_dots``): the Triton kernels of
-``primus_turbo/triton/moe/permute_kernel.py`` where Triton runs, the same in PyTorch elsewhere.
+"""MoE token permutation: the expert-major layout computed on the device, and custom ops for it and for the
+row movement (``primus_turbo::moe_expert_layout`` / ``moe_expert_bounds`` / ``moe_scatter_rows`` /
+``moe_merge_rows`` / ``moe_route_dots``): the Triton kernels of ``primus_turbo/triton/moe/permute_kernel.py``
+where Triton runs, the same in PyTorch elsewhere.
 
 Layout: expert-major. Expert ``e``'s rows start at the sum of the previous experts' (padded) counts and
 hold its tokens in token order, then zero rows up to a multiple of ``pad_multiple``. ``row_id_map``
@@ -12,55 +13,89 @@ from __future__ import annotations
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
-from primus_turbo.triton.moe import gather_rows_triton, merge_rows_triton, route_dots_triton
+from primus_turbo.triton.moe import (
+    expert_bounds_triton,
+    expert_layout_triton,
+    merge_rows_triton,
+    route_dots_triton,
+    scatter_rows_triton,
+)
 from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
-    "destination_rows",
-    "moe_gather_rows_impl",
+    "moe_expert_bounds_impl",
+    "moe_expert_layout_impl",
     "moe_merge_rows_impl",
     "moe_route_dots_impl",
-    "source_rows",
+    "moe_scatter_rows_impl",
     "take_rows",
 ]
 
 
-def destination_rows(
+def _expert_layout_torch(
     routing_map: torch.Tensor, pad_multiple: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(row_id_map int32 [T, E], tokens_per_expert int64 [E], rows) for a bool ``routing_map`` [T, E].
-
-    ``num_rows > 0`` fixes the row count (routes past it get -1 and are not counted) and keeps
-    everything on the device; otherwise the count of padded rows is read on the host.
-    """
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = routing_map.sum(dim=0)
     padded = counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     first_row = padded.cumsum(0) - padded
     rank = routing_map.to(torch.int64).cumsum(0) - 1
     dest = torch.where(routing_map, first_row[None, :] + rank, -1)
-    rows = num_rows if num_rows > 0 else int(padded.sum())
     if num_rows > 0:  # routes past the fixed row count are dropped and no longer counted
-        dest = torch.where(dest < rows, dest, -1)
+        dest = torch.where(dest < num_rows, dest, -1)
         counts = (dest >= 0).sum(dim=0)
-    return dest.to(torch.int32), counts, rows
+    total = padded.sum().reshape(1)
+    return dest.to(torch.int32), counts, first_row.to(torch.int32), total.to(torch.int32)
 
 
-def source_rows(row_id_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source token, source expert) int32 [rows] of each permuted row, -1 for padding, by a scatter on
-    the device (routes without a row land in a spare slot that is dropped)."""
+@custom_op("primus_turbo::moe_expert_layout", mutates_args=())
+def moe_expert_layout_impl(
+    routing_map: torch.Tensor, pad_multiple: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_id_map int32 [T, E], kept tokens per expert int64 [E], each expert's first row int32 [E], padded
+    row total int32 [1]) of a bool ``routing_map`` [T, E]. ``num_rows > 0`` drops the routes past that row
+    (they get -1 and are not counted); the total is read on the host only where the row count is not fixed."""
+    if triton_runs_on(routing_map.device):
+        return expert_layout_triton(routing_map, pad_multiple, num_rows)
+    return _expert_layout_torch(routing_map, pad_multiple, num_rows)
+
+
+@moe_expert_layout_impl.register_fake
+def _moe_expert_layout_fake(routing_map, pad_multiple, num_rows):
+    tokens, experts = routing_map.shape
+    return (
+        routing_map.new_empty((tokens, experts), dtype=torch.int32),
+        routing_map.new_empty((experts,), dtype=torch.int64),
+        routing_map.new_empty((experts,), dtype=torch.int32),
+        routing_map.new_empty((1,), dtype=torch.int32),
+    )
+
+
+@custom_op("primus_turbo::moe_expert_bounds", mutates_args=())
+def moe_expert_bounds_impl(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row int32 [E], route count int32 [E]) per expert of a ``row_id_map``; the first row is
+    meaningless where the count is 0."""
+    if triton_runs_on(row_id_map.device):
+        return expert_bounds_triton(row_id_map)
+    routed = row_id_map >= 0
+    first = torch.where(routed, row_id_map, torch.iinfo(torch.int32).max).amin(dim=0)
+    return first.to(torch.int32), routed.sum(dim=0).to(torch.int32)
+
+
+@moe_expert_bounds_impl.register_fake
+def _moe_expert_bounds_fake(row_id_map):
+    experts = row_id_map.shape[1]
+    return row_id_map.new_empty((experts,)), row_id_map.new_empty((experts,))
+
+
+def _source_rows(row_id_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source token, source expert) int64 [rows] of each row, -1 where no route names it."""
     tokens, experts = row_id_map.shape
     slot = torch.where(row_id_map >= 0, row_id_map.to(torch.int64), rows).flatten()
-    token_ids = torch.arange(tokens, device=row_id_map.device, dtype=torch.int32)[:, None].expand(
-        tokens, experts
-    )
-    expert_ids = torch.arange(experts, device=row_id_map.device, dtype=torch.int32)[None, :].expand(
-        tokens, experts
-    )
-    src_token = torch.full((rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
-    src_expert = torch.full((rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
-    src_token.scatter_(0, slot, token_ids.flatten())
-    src_expert.scatter_(0, slot, expert_ids.flatten())
-    return src_token[:rows], src_expert[:rows]
+    pairs = torch.arange(tokens * experts, device=row_id_map.device)
+    source = torch.full((rows + 1,), -1, dtype=torch.int64, device=row_id_map.device)
+    source.scatter_(0, slot, pairs)[rows] = -1
+    source = source[:rows]
+    return torch.where(source >= 0, source // experts, -1), torch.where(source >= 0, source % experts, -1)
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor, fill: float = 0) -> torch.Tensor:
@@ -70,19 +105,39 @@ def take_rows(x: torch.Tensor, index: torch.Tensor, fill: float = 0) -> torch.Te
     return padded[torch.where(index >= 0, index.long(), x.shape[0])]
 
 
-@custom_op("primus_turbo::moe_gather_rows", mutates_args=())
-def moe_gather_rows_impl(x: torch.Tensor, src: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor:
-    """[len(src), H]: ``x[src[r]]`` (times ``row_scale[r]``), zeros where ``src[r] < 0``."""
+@custom_op("primus_turbo::moe_scatter_rows", mutates_args=())
+def moe_scatter_rows_impl(
+    x: torch.Tensor,
+    row_id_map: torch.Tensor,
+    start: torch.Tensor,
+    count: torch.Tensor,
+    weights: torch.Tensor | None,
+    num_rows: int,
+    scale_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_rows, H], fp32 [num_rows] route weight per row, or [0] without ``weights``): each token row of
+    ``x`` [T, H] copied to the rows its ``row_id_map`` names, times its ``weights`` [T, E] entry where
+    ``scale_rows``; zeros on the rows outside every expert's ``[start, start + count)``."""
     if triton_runs_on(x.device):
-        scale = row_scale.contiguous() if row_scale is not None else None
-        return gather_rows_triton(x.contiguous(), src.contiguous(), scale)
-    rows = take_rows(x, src)
-    return (rows.float() * row_scale[:, None]).to(x.dtype) if row_scale is not None else rows
+        return scatter_rows_triton(
+            x.contiguous(), row_id_map.contiguous(), start.contiguous(), count.contiguous(),
+            weights.contiguous() if weights is not None else None, num_rows, scale_rows,
+        )  # fmt: skip
+    src_token, src_expert = _source_rows(row_id_map, num_rows)
+    rows = take_rows(x, src_token)
+    if weights is None:
+        return rows, torch.empty(0, dtype=torch.float32, device=x.device)
+    route = torch.where(src_token >= 0, src_token * row_id_map.shape[1] + src_expert, 0)
+    row_weights = torch.where(src_token >= 0, weights.float().flatten()[route], 0.0)
+    if scale_rows:
+        rows = (rows.float() * row_weights[:, None]).to(x.dtype)
+    return rows, row_weights
 
 
-@moe_gather_rows_impl.register_fake
-def _moe_gather_rows_fake(x, src, row_scale):
-    return x.new_empty((src.shape[0], x.shape[1]))
+@moe_scatter_rows_impl.register_fake
+def _moe_scatter_rows_fake(x, row_id_map, start, count, weights, num_rows, scale_rows):
+    row_weights = x.new_empty((num_rows if weights is not None else 0,), dtype=torch.float32)
+    return x.new_empty((num_rows, x.shape[1])), row_weights
 
 
 @custom_op("primus_turbo::moe_merge_rows", mutates_args=())

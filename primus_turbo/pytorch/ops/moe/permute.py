@@ -13,31 +13,25 @@ import torch
 from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.validation import check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.moe.permute_impl import (
-    destination_rows,
-    moe_gather_rows_impl,
+    moe_expert_bounds_impl,
+    moe_expert_layout_impl,
     moe_merge_rows_impl,
     moe_route_dots_impl,
-    source_rows,
+    moe_scatter_rows_impl,
 )
 
 __all__ = ["moe_permute", "moe_unpermute", "tokens_per_expert_to_mask"]
 
 
-def _take_probs(probs_map: torch.Tensor, src_token: torch.Tensor, src_expert: torch.Tensor) -> torch.Tensor:
-    """fp32 [rows]: the probability of each permuted row's route, 0 for padding."""
-    experts = probs_map.shape[1]
-    flat = torch.where(src_token >= 0, src_token.long() * experts + src_expert.long(), 0)
-    return torch.where(src_token >= 0, probs_map.float().flatten()[flat], 0.0)
-
-
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, probs_map, row_id_map, src_token, src_expert):
+    def forward(ctx, tokens, probs_map, row_id_map, start, kept, rows):
         ctx.save_for_backward(row_id_map)
         ctx.probs_dtype = probs_map.dtype if probs_map is not None else None
-        permuted = call_op(moe_gather_rows_impl, tokens, src_token, None)
-        permuted_probs = _take_probs(probs_map, src_token, src_expert) if probs_map is not None else None
-        return permuted, permuted_probs
+        permuted, permuted_probs = call_op(
+            moe_scatter_rows_impl, tokens, row_id_map, start, kept, probs_map, rows, False
+        )
+        return permuted, permuted_probs if probs_map is not None else None
 
     @staticmethod
     def backward(ctx, grad_permuted, grad_probs):
@@ -50,26 +44,28 @@ class _PermuteFunction(torch.autograd.Function):
             spare = torch.cat([grad_probs.float(), grad_probs.new_zeros(1, dtype=torch.float32)])
             rows = torch.where(row_id_map >= 0, row_id_map.long(), spare.shape[0] - 1)
             grad_probs_map = spare[rows].to(ctx.probs_dtype)
-        return grad_tokens, grad_probs_map, None, None, None
+        return grad_tokens, grad_probs_map, None, None, None, None
 
 
 class _UnpermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, permuted, probs_map, row_id_map, src_token, src_expert):
+    def forward(ctx, permuted, probs_map, row_id_map):
         out = call_op(moe_merge_rows_impl, permuted, row_id_map, probs_map)
-        ctx.save_for_backward(permuted, probs_map, row_id_map, src_token, src_expert)
+        ctx.save_for_backward(permuted, probs_map, row_id_map)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        permuted, probs_map, row_id_map, src_token, src_expert = ctx.saved_tensors
+        permuted, probs_map, row_id_map = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        row_scale = _take_probs(probs_map, src_token, src_expert) if probs_map is not None else None
-        grad_permuted = call_op(moe_gather_rows_impl, grad_out, src_token, row_scale)
+        start, count = call_op(moe_expert_bounds_impl, row_id_map)
+        grad_permuted, _ = call_op(
+            moe_scatter_rows_impl, grad_out, row_id_map, start, count, probs_map, permuted.shape[0], True
+        )
         grad_probs = None
         if probs_map is not None and ctx.needs_input_grad[1]:
             grad_probs = call_op(moe_route_dots_impl, grad_out, permuted, row_id_map).to(probs_map.dtype)
-        return grad_permuted, grad_probs, None, None, None
+        return grad_permuted, grad_probs, None
 
 
 def _routing_map(expert_map: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,11 +148,19 @@ def moe_permute(
     if scales is not None and (scales.dim() != 2 or scales.shape[0] != tokens.shape[0]):
         raise ValueError(f"scales must be [{tokens.shape[0]}, S], got {tuple(scales.shape)}")
     routing, index = _routing_map(expert_map, num_local_experts)
-    row_id_map, tokens_per_expert, rows = destination_rows(routing, pad_multiple, num_permuted_tokens)
-    src_token, src_expert = source_rows(row_id_map, rows)
+    row_id_map, tokens_per_expert, start, total = call_op(
+        moe_expert_layout_impl, routing, pad_multiple, num_permuted_tokens
+    )
+    rows = num_permuted_tokens if num_permuted_tokens > 0 else int(total.item())
     probs_map = _probs_map(probs, index, num_local_experts) if probs is not None else None
-    permuted, permuted_probs = _PermuteFunction.apply(tokens, probs_map, row_id_map, src_token, src_expert)
-    permuted_scales = call_op(moe_gather_rows_impl, scales, src_token, None) if scales is not None else None
+    permuted, permuted_probs = _PermuteFunction.apply(
+        tokens, probs_map, row_id_map, start, tokens_per_expert, rows
+    )
+    permuted_scales = None
+    if scales is not None:
+        permuted_scales, _ = call_op(
+            moe_scatter_rows_impl, scales, row_id_map, start, tokens_per_expert, None, rows, False
+        )
     return permuted, row_id_map, tokens_per_expert, permuted_probs, permuted_scales
 
 
@@ -189,8 +193,7 @@ def moe_unpermute(
             raise ValueError(f"probs must be [T, E] = {tuple(row_id_map.shape)} (or pass topk_indices)")
         else:
             probs_map = probs
-    src_token, src_expert = source_rows(row_id_map, permuted.shape[0])
-    return _UnpermuteFunction.apply(permuted.contiguous(), probs_map, row_id_map, src_token, src_expert)
+    return _UnpermuteFunction.apply(permuted.contiguous(), probs_map, row_id_map)
 
 
 def tokens_per_expert_to_mask(
