@@ -5,7 +5,9 @@ Per MoE model of the config at ``--tokens``: random top-k routing over the model
 of the tokens in expert-major order; unpermute: probability-weighted ``index_add_``), interleaved call by
 call, forward alone and forward + backward (gradients of the tokens and of the probabilities). Effective
 bandwidth counts the bytes each must move: permute reads T x H and writes T x K x H, unpermute reads
-T x K x H and writes T x H (bf16); forward + backward counts them twice.
+T x K x H and writes T x H (bf16); forward + backward counts them twice. On a GPU the library's calls are
+also timed from CUDA-graph replays (device time alone, warm L2; the unfused path syncs with the host
+and cannot be captured).
 
 Example::
 
@@ -22,7 +24,7 @@ from collections.abc import Callable
 import torch
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, time_interleaved, write_csv
+from benchmark.ops.training.bench_utils import platform_name, time_interleaved, timing_stream, write_csv
 from benchmark.ops.training.config import MOE_MODELS
 
 LOG = logging.getLogger("bench_moe_permute")
@@ -121,6 +123,17 @@ def main(argv: list[str] | None = None) -> None:
                 row[f"{name} TB/s"] = moved / ms / 1e9
                 row[f"{name} fwd+bwd us"] = step_ms * 1e3
                 row[f"{name} fwd+bwd TB/s"] = 2 * moved / step_ms / 1e9
+            if args.device == "cuda":
+                # device time alone: the unfused path syncs with the host and cannot be captured
+                with timing_stream(True):
+                    with torch.no_grad():
+                        graph_fwd = time_interleaved([forward[0], forward[2]], None, "cuda", graph=True)
+                    graph_step = time_interleaved([steps[0], steps[2]], leaves, "cuda", graph=True)
+                for i, name in enumerate(("permute", "unpermute")):
+                    row[f"{name} graph us"] = graph_fwd[i] * 1e3
+                    row[f"{name} graph TB/s"] = moved / graph_fwd[i] / 1e9
+                    row[f"{name} fwd+bwd graph us"] = graph_step[i] * 1e3
+                    row[f"{name} fwd+bwd graph TB/s"] = 2 * moved / graph_step[i] / 1e9
             row["permute vs torch"] = times[1] / times[0]
             row["unpermute vs torch"] = times[3] / times[2]
             row["permute fwd+bwd vs torch"] = step_times[1] / step_times[0]
@@ -132,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     columns += ["torch unpermute TB/s", "permute vs torch", "unpermute vs torch"]
     columns += ["permute fwd+bwd TB/s", "unpermute fwd+bwd TB/s", "permute fwd+bwd vs torch"]
     columns += ["unpermute fwd+bwd vs torch"]
+    if args.device == "cuda":
+        columns += ["permute graph TB/s", "unpermute graph TB/s"]
+        columns += ["permute fwd+bwd graph TB/s", "unpermute fwd+bwd graph TB/s"]
     print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
     write_csv(args.output, rows)
 

@@ -262,32 +262,32 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def expert_layout_triton(
     routing_map: torch.Tensor, pad_multiple: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_id_map int32 [T, E], kept tokens per expert int64 [E], each expert's first row int32 [E], padded
-    row total int32 [1]) for a bool ``routing_map`` [T, E]; ``num_rows > 0`` drops routes past that row."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_id_map int32 [T, E], kept tokens per expert int64 [E], int32 [E + 1] each expert's first row
+    and the padded row total) for a bool ``routing_map`` [T, E]; ``num_rows > 0`` drops routes past that
+    row."""
     tokens, experts = routing_map.shape
     device = routing_map.device
     blocks = triton.cdiv(tokens, _BLOCK_T)
     routed = routing_map.contiguous().view(torch.uint8)
-    counts = torch.empty((blocks, experts), dtype=torch.int32, device=device)
-    base = torch.empty_like(counts)
-    start = torch.empty(experts, dtype=torch.int32, device=device)
+    work = torch.empty(2 * blocks * experts, dtype=torch.int32, device=device)  # block counts, first rows
+    counts, base = work[: blocks * experts], work[blocks * experts :]
+    expert_rows = torch.empty(experts + 1, dtype=torch.int32, device=device)
     kept = torch.empty(experts, dtype=torch.int64, device=device)
-    total = torch.empty(1, dtype=torch.int32, device=device)
     row_id_map = torch.empty((tokens, experts), dtype=torch.int32, device=device)
     cap = num_rows if num_rows > 0 else _NO_CAP
     grid = (blocks, triton.cdiv(experts, _BLOCK_E))
     if tokens:
         _block_counts_kernel[grid](routed, counts, tokens, experts, BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E)
     _expert_starts_kernel[(1,)](
-        counts, base, start, kept, total, blocks, experts, max(pad_multiple, 1), cap,
+        counts, base, expert_rows, kept, expert_rows[experts:], blocks, experts, max(pad_multiple, 1), cap,
         BLOCK_B=64, BLOCK_E=_BLOCK_E,
     )  # fmt: skip
     if tokens:
         _route_rows_kernel[grid](
             routed, base, row_id_map, tokens, experts, cap, BLOCK_T=_BLOCK_T, BLOCK_E=_BLOCK_E
         )
-    return row_id_map, kept, start, total
+    return row_id_map, kept, expert_rows
 
 
 def expert_bounds_triton(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,8 +111,8 @@ def test_opcheck_and_compile():
     x = _tokens(10, 16).detach()
     torch.library.opcheck(impl.moe_expert_layout_impl, (routing_map, 4, -1))
     torch.library.opcheck(impl.moe_expert_layout_impl, (routing_map, 0, 12))
-    row_id_map, counts, start, total = impl.moe_expert_layout_impl(routing_map, 4, -1)
-    rows = int(total)
+    row_id_map, counts, start = impl.moe_expert_layout_impl(routing_map, 4, -1)
+    rows = int(start[-1])
     torch.library.opcheck(impl.moe_expert_bounds_impl, (row_id_map,))
     torch.library.opcheck(impl.moe_scatter_rows_impl, (x, row_id_map, start, counts, None, rows, False))
     torch.library.opcheck(impl.moe_scatter_rows_impl, (x, row_id_map, start, counts, probs, rows, True))
@@ -161,13 +161,13 @@ def test_torch_fallback_matches_the_kernels(monkeypatch, pad_multiple, num_rows)
 
     def run():
         layout = impl.moe_expert_layout_impl(routing_map, pad_multiple, num_rows)
-        row_id_map, counts, start, total = layout
-        rows = num_rows if num_rows > 0 else int(total)
+        row_id_map, counts, start = layout
+        rows = num_rows if num_rows > 0 else int(start[-1])
         y = torch.randn(rows, 20, generator=torch.Generator().manual_seed(3)).to(DEVICE)
         bounds = impl.moe_expert_bounds_impl(row_id_map)
         routed = counts > 0
         return (
-            row_id_map, counts, start[routed], total, bounds[0][routed], bounds[1],
+            row_id_map, counts, start[:-1][routed], start[-1], bounds[0][routed], bounds[1],
             *impl.moe_scatter_rows_impl(x, row_id_map, start, counts, None, rows, False),
             *impl.moe_scatter_rows_impl(x, row_id_map, *bounds, probs, rows, True),
             impl.moe_merge_rows_impl(y, row_id_map, probs),

@@ -34,7 +34,7 @@ __all__ = [
 
 def _expert_layout_torch(
     routing_map: torch.Tensor, pad_multiple: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = routing_map.sum(dim=0)
     padded = counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
     first_row = padded.cumsum(0) - padded
@@ -43,17 +43,17 @@ def _expert_layout_torch(
     if num_rows > 0:  # routes past the fixed row count are dropped and no longer counted
         dest = torch.where(dest < num_rows, dest, -1)
         counts = (dest >= 0).sum(dim=0)
-    total = padded.sum().reshape(1)
-    return dest.to(torch.int32), counts, first_row.to(torch.int32), total.to(torch.int32)
+    expert_rows = torch.cat([first_row, padded.sum().reshape(1)]).to(torch.int32)
+    return dest.to(torch.int32), counts, expert_rows
 
 
 @custom_op("primus_turbo::moe_expert_layout", mutates_args=())
 def moe_expert_layout_impl(
     routing_map: torch.Tensor, pad_multiple: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_id_map int32 [T, E], kept tokens per expert int64 [E], each expert's first row int32 [E], padded
-    row total int32 [1]) of a bool ``routing_map`` [T, E]. ``num_rows > 0`` drops the routes past that row
-    (they get -1 and are not counted); the total is read on the host only where the row count is not fixed."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_id_map int32 [T, E], kept tokens per expert int64 [E], int32 [E + 1] each expert's first row
+    and the padded row total) of a bool ``routing_map`` [T, E]. ``num_rows > 0`` drops the routes past
+    that row (they get -1 and are not counted)."""
     if triton_runs_on(routing_map.device):
         return expert_layout_triton(routing_map, pad_multiple, num_rows)
     return _expert_layout_torch(routing_map, pad_multiple, num_rows)
@@ -65,8 +65,7 @@ def _moe_expert_layout_fake(routing_map, pad_multiple, num_rows):
     return (
         routing_map.new_empty((tokens, experts), dtype=torch.int32),
         routing_map.new_empty((experts,), dtype=torch.int64),
-        routing_map.new_empty((experts,), dtype=torch.int32),
-        routing_map.new_empty((1,), dtype=torch.int32),
+        routing_map.new_empty((experts + 1,), dtype=torch.int32),
     )
 
 

@@ -68,6 +68,11 @@ class _UnpermuteFunction(torch.autograd.Function):
         return grad_permuted, grad_probs, None
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must record the call (an ``autograd.Function`` costs host time per call)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _routing_map(expert_map: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(bool routing map [T, E], int64 top-k indices with -1 mapped to a spare column E, or None)."""
     if expert_map.dtype == torch.bool:
@@ -148,14 +153,20 @@ def moe_permute(
     if scales is not None and (scales.dim() != 2 or scales.shape[0] != tokens.shape[0]):
         raise ValueError(f"scales must be [{tokens.shape[0]}, S], got {tuple(scales.shape)}")
     routing, index = _routing_map(expert_map, num_local_experts)
-    row_id_map, tokens_per_expert, start, total = call_op(
+    row_id_map, tokens_per_expert, start = call_op(
         moe_expert_layout_impl, routing, pad_multiple, num_permuted_tokens
     )
-    rows = num_permuted_tokens if num_permuted_tokens > 0 else int(total.item())
+    rows = num_permuted_tokens if num_permuted_tokens > 0 else int(start[-1].item())
     probs_map = _probs_map(probs, index, num_local_experts) if probs is not None else None
-    permuted, permuted_probs = _PermuteFunction.apply(
-        tokens, probs_map, row_id_map, start, tokens_per_expert, rows
-    )
+    if _needs_grad(tokens, probs_map):
+        permuted, permuted_probs = _PermuteFunction.apply(
+            tokens, probs_map, row_id_map, start, tokens_per_expert, rows
+        )
+    else:
+        permuted, permuted_probs = call_op(
+            moe_scatter_rows_impl, tokens, row_id_map, start, tokens_per_expert, probs_map, rows, False
+        )
+        permuted_probs = permuted_probs if probs_map is not None else None
     permuted_scales = None
     if scales is not None:
         permuted_scales, _ = call_op(
@@ -193,7 +204,9 @@ def moe_unpermute(
             raise ValueError(f"probs must be [T, E] = {tuple(row_id_map.shape)} (or pass topk_indices)")
         else:
             probs_map = probs
-    return _UnpermuteFunction.apply(permuted.contiguous(), probs_map, row_id_map)
+    if _needs_grad(permuted, probs_map):
+        return _UnpermuteFunction.apply(permuted.contiguous(), probs_map, row_id_map)
+    return call_op(moe_merge_rows_impl, permuted.contiguous(), row_id_map, probs_map)
 
 
 def tokens_per_expert_to_mask(
