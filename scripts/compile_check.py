@@ -536,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         "moe permute (scatter rows)",
         lambda: permute.scatter_rows_triton(hidden, rows_map, experts, experts, logits, 32768, False),
     )
+    for launch in (permute.ScatterLaunch(1024, 4, True, False), permute.ScatterLaunch(2048, 8, True, True)):
+        attempt(
+            f"moe permute (scatter rows, {tuple(launch)})",
+            lambda launch=launch: permute.scatter_rows_triton(
+                hidden, rows_map, experts, experts, None, 32768, False, launch
+            ),
+        )
     attempt(
         "moe unpermute backward (scaled scatter)",
         lambda: permute.scatter_rows_triton(hidden, rows_map, experts, experts, logits, 32768, True),

@@ -23,15 +23,19 @@ so sums run in fp32 in expert order and results are deterministic.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 __all__ = [
+    "ScatterLaunch",
     "expert_bounds_triton",
     "expert_layout_triton",
     "merge_rows_triton",
     "route_dots_triton",
+    "scatter_launch",
     "scatter_rows_triton",
 ]
 
@@ -132,64 +136,94 @@ def _routes(map_ptr, token, E, E_P2: tl.constexpr):
 
 
 @triton.jit
+def _store_route(out_ptr, row, stride_out, cols, col_ok, vals, weight, SCALE_ROWS: tl.constexpr):
+    if SCALE_ROWS:
+        vals = (vals.to(tl.float32) * weight).to(vals.dtype)
+    tl.store(out_ptr + row * stride_out + cols, vals, mask=col_ok)
+
+
+@triton.jit
+def _scatter_token(
+    x_ptr, map_ptr, w_ptr, out_ptr, rw_ptr, token, col_block, E, H, stride_x, stride_out,
+    HAS_W: tl.constexpr, SCALE_ROWS: tl.constexpr, E_P2: tl.constexpr, BLOCK_H: tl.constexpr,
+    ALL_COLS: tl.constexpr,
+):  # fmt: skip
+    """One token's row (one ``BLOCK_H`` slice of it, or all of it with ``ALL_COLS``) to its routes' rows."""
+    dest, routed, position, n = _routes(map_ptr, token, E, E_P2)
+    if HAS_W:
+        w = tl.load(w_ptr + token.to(tl.int64) * E + tl.arange(0, E_P2), mask=routed, other=0.0)
+        w = w.to(tl.float32)
+    x_row = x_ptr + token.to(tl.int64) * stride_x
+    if not ALL_COLS:
+        cols = col_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        vals = tl.load(x_row + cols, mask=cols < H, other=0.0)
+    for i in range(n):
+        pick = routed & (position == i)
+        row = tl.sum(tl.where(pick, dest, 0), axis=0).to(tl.int64)
+        if HAS_W:
+            weight = tl.sum(tl.where(pick, w, 0.0), axis=0)
+            if col_block == 0:
+                tl.store(rw_ptr + row, weight)
+        else:
+            weight = 1.0
+        if ALL_COLS:
+            for start in range(0, H, BLOCK_H):
+                cols = start + tl.arange(0, BLOCK_H)
+                vals = tl.load(x_row + cols, mask=cols < H, other=0.0)
+                _store_route(out_ptr, row, stride_out, cols, cols < H, vals, weight, SCALE_ROWS)
+        else:
+            _store_route(out_ptr, row, stride_out, cols, cols < H, vals, weight, SCALE_ROWS)
+
+
+@triton.jit
+def _fill_gaps(
+    start_ptr, count_ptr, out_ptr, rw_ptr, block, col_block, E, H, num_rows, stride_out,
+    HAS_W: tl.constexpr, E_P2: tl.constexpr, BLOCK_H: tl.constexpr, CHECK_ROWS: tl.constexpr,
+    ALL_COLS: tl.constexpr,
+):  # fmt: skip
+    """Zeros on the rows of one ``CHECK_ROWS`` block that no route names: padding, and rows past the last
+    expert's."""
+    experts = tl.arange(0, E_P2)
+    rows = block * CHECK_ROWS + tl.arange(0, CHECK_ROWS)
+    starts = tl.load(start_ptr + experts, mask=experts < E, other=0)
+    ends = starts + tl.load(count_ptr + experts, mask=experts < E, other=0).to(tl.int32)
+    inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :])
+    empty = (rows < num_rows) & (tl.sum(inside.to(tl.int32), axis=1) == 0)
+    if tl.sum(empty.to(tl.int32), axis=0) > 0:
+        zeros = tl.zeros([CHECK_ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty)
+        first = 0 if ALL_COLS else col_block * BLOCK_H
+        last = H if ALL_COLS else first + BLOCK_H
+        for start in range(first, last, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            offsets = rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+            tl.store(out_ptr + offsets, zeros, mask=empty[:, None] & (cols < H)[None, :])
+        if HAS_W:
+            if col_block == 0:
+                tl.store(rw_ptr + rows, tl.zeros([CHECK_ROWS], dtype=tl.float32), mask=empty)
+
+
+@triton.jit
 def _scatter_rows_kernel(
-    x_ptr,
-    map_ptr,
-    w_ptr,
-    start_ptr,
-    count_ptr,
-    out_ptr,
-    rw_ptr,
-    T,
-    E,
-    H,
-    num_rows,
-    stride_x,
-    stride_out,
-    HAS_W: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    E_P2: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    CHECK_ROWS: tl.constexpr,
-):
+    x_ptr, map_ptr, w_ptr, start_ptr, count_ptr, out_ptr, rw_ptr, T, E, H, num_rows, stride_x, stride_out,
+    HAS_W: tl.constexpr, SCALE_ROWS: tl.constexpr, E_P2: tl.constexpr, BLOCK_H: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, ALL_COLS: tl.constexpr, TOKENS: tl.constexpr, GAPS: tl.constexpr,
+):  # fmt: skip
+    """Token programs (``TOKENS``) then gap programs (``GAPS``) along the first grid axis."""
     pid = tl.program_id(0)
     col_block = tl.program_id(1)
-    cols = col_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    experts = tl.arange(0, E_P2)
-    if pid < T:
-        dest, routed, position, n = _routes(map_ptr, pid, E, E_P2)
-        if HAS_W:
-            w = tl.load(w_ptr + pid.to(tl.int64) * E + experts, mask=routed, other=0.0).to(tl.float32)
-        vals = tl.load(x_ptr + pid.to(tl.int64) * stride_x + cols, mask=col_ok, other=0.0)
-        for i in range(n):
-            pick = routed & (position == i)
-            row = tl.sum(tl.where(pick, dest, 0), axis=0).to(tl.int64)
-            if HAS_W:
-                weight = tl.sum(tl.where(pick, w, 0.0), axis=0)
-                if SCALE_ROWS:
-                    tl.store(out_ptr + row * stride_out + cols, (vals.to(tl.float32) * weight).to(vals.dtype),
-                             mask=col_ok)  # fmt: skip
-                else:
-                    tl.store(out_ptr + row * stride_out + cols, vals, mask=col_ok)
-                if col_block == 0:
-                    tl.store(rw_ptr + row, weight)
-            else:
-                tl.store(out_ptr + row * stride_out + cols, vals, mask=col_ok)
+    if TOKENS and GAPS:
+        if pid < T:
+            _scatter_token(x_ptr, map_ptr, w_ptr, out_ptr, rw_ptr, pid, col_block, E, H, stride_x, stride_out,
+                           HAS_W, SCALE_ROWS, E_P2, BLOCK_H, ALL_COLS)  # fmt: skip
+        else:
+            _fill_gaps(start_ptr, count_ptr, out_ptr, rw_ptr, pid - T, col_block, E, H, num_rows, stride_out,
+                       HAS_W, E_P2, BLOCK_H, CHECK_ROWS, ALL_COLS)  # fmt: skip
+    elif TOKENS:
+        _scatter_token(x_ptr, map_ptr, w_ptr, out_ptr, rw_ptr, pid, col_block, E, H, stride_x, stride_out,
+                       HAS_W, SCALE_ROWS, E_P2, BLOCK_H, ALL_COLS)  # fmt: skip
     else:
-        # rows that no route names: padding, and rows past the last expert's
-        rows = (pid - T) * CHECK_ROWS + tl.arange(0, CHECK_ROWS)
-        starts = tl.load(start_ptr + experts, mask=experts < E, other=0)
-        ends = starts + tl.load(count_ptr + experts, mask=experts < E, other=0).to(tl.int32)
-        inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :])
-        empty = (rows < num_rows) & (tl.sum(inside.to(tl.int32), axis=1) == 0)
-        if tl.sum(empty.to(tl.int32), axis=0) > 0:
-            zeros = tl.zeros([CHECK_ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty)
-            offsets = rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-            tl.store(out_ptr + offsets, zeros, mask=empty[:, None] & col_ok[None, :])
-            if HAS_W:
-                if col_block == 0:
-                    tl.store(rw_ptr + rows, tl.zeros([CHECK_ROWS], dtype=tl.float32), mask=empty)
+        _fill_gaps(start_ptr, count_ptr, out_ptr, rw_ptr, pid, col_block, E, H, num_rows, stride_out,
+                   HAS_W, E_P2, BLOCK_H, CHECK_ROWS, ALL_COLS)  # fmt: skip
 
 
 @triton.jit
@@ -304,6 +338,21 @@ def expert_bounds_triton(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.
     return start, count
 
 
+class ScatterLaunch(NamedTuple):
+    """How ``scatter_rows_triton`` launches: hidden slice per program, warps, gap programs in their own
+    launch (``split``) or after the token programs, one program per whole token row (``all_cols``)."""
+
+    block_h: int
+    warps: int
+    split: bool
+    all_cols: bool
+
+
+def scatter_launch(hidden: int) -> ScatterLaunch:
+    """The default launch for rows of ``hidden`` elements."""
+    return ScatterLaunch(_block(hidden), 4, False, False)
+
+
 def scatter_rows_triton(
     x: torch.Tensor,
     row_id_map: torch.Tensor,
@@ -312,6 +361,7 @@ def scatter_rows_triton(
     weights: torch.Tensor | None,
     num_rows: int,
     scale_rows: bool,
+    launch: ScatterLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([num_rows, H], fp32 route weight per row or [0]): each token row of ``x`` [T, H] (unit column
     stride) at its routes' rows, times ``weights`` [T, E] where ``scale_rows``; zeros on rows outside every
@@ -320,16 +370,26 @@ def scatter_rows_triton(
     hidden = x.shape[1]
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     row_weights = torch.empty(num_rows if weights is not None else 0, dtype=torch.float32, device=x.device)
-    if num_rows and hidden:
-        block = _block(hidden)
-        grid = (tokens + triton.cdiv(num_rows, _CHECK_ROWS), triton.cdiv(hidden, block))
-        bits = x if scale_rows else _bits(x)
-        _scatter_rows_kernel[grid](
-            bits, row_id_map, weights if weights is not None else row_id_map, start, count,
-            out if scale_rows else _bits(out), row_weights, tokens, experts, hidden, num_rows,
-            x.stride(0), out.stride(0), HAS_W=weights is not None, SCALE_ROWS=scale_rows,
-            E_P2=_experts_p2(experts), BLOCK_H=block, CHECK_ROWS=_CHECK_ROWS,
-        )  # fmt: skip
+    if not (num_rows and hidden):
+        return out, row_weights
+    launch = launch or scatter_launch(hidden)
+    col_blocks = 1 if launch.all_cols else triton.cdiv(hidden, launch.block_h)
+    gaps = triton.cdiv(num_rows, _CHECK_ROWS)
+    args = (
+        x if scale_rows else _bits(x), row_id_map, weights if weights is not None else row_id_map, start,
+        count, out if scale_rows else _bits(out), row_weights, tokens, experts, hidden, num_rows,
+        x.stride(0), out.stride(0),
+    )  # fmt: skip
+    flags = dict(
+        HAS_W=weights is not None, SCALE_ROWS=scale_rows, E_P2=_experts_p2(experts), BLOCK_H=launch.block_h,
+        CHECK_ROWS=_CHECK_ROWS, ALL_COLS=launch.all_cols, num_warps=launch.warps,
+    )  # fmt: skip
+    if launch.split:
+        _scatter_rows_kernel[(gaps, col_blocks)](*args, TOKENS=False, GAPS=True, **flags)
+        if tokens:
+            _scatter_rows_kernel[(tokens, col_blocks)](*args, TOKENS=True, GAPS=False, **flags)
+    else:
+        _scatter_rows_kernel[(tokens + gaps, col_blocks)](*args, TOKENS=True, GAPS=True, **flags)
     return out, row_weights
 
 

@@ -9,6 +9,8 @@ import torch
 
 from primus_turbo.pytorch.kernels.moe import permute_impl as impl
 from primus_turbo.pytorch.ops import moe_permute, moe_unpermute, tokens_per_expert_to_mask
+from primus_turbo.triton.moe.permute_kernel import ScatterLaunch, scatter_rows_triton
+from primus_turbo.triton.utils.device_info import triton_unavailable_reason
 from tests.pytorch.ref.permutation_ref import permute_ref, permuted_probs_ref, unpermute_ref
 from tests.pytorch.test_utils import DEVICES
 
@@ -200,3 +202,20 @@ def test_counts_leave_out_routes_past_a_fixed_row_count():
     x = _tokens(16, 8).detach()
     _, row_id_map, counts, _, _ = moe_permute(x, routing_map, num_local_experts=4, num_permuted_tokens=10)
     assert int(counts.sum()) == int((row_id_map >= 0).sum()) == 10
+
+
+@pytest.mark.skipif(triton_unavailable_reason() is not None, reason="needs Triton (GPU or interpreter)")
+@pytest.mark.parametrize(
+    "launch",
+    [ScatterLaunch(16, 4, True, False), ScatterLaunch(16, 2, False, True), ScatterLaunch(32, 8, True, True)],
+    ids=str,
+)
+def test_scatter_launches_agree(launch):
+    _, routing_map, probs = _routing(45, 6, 2, seed=9, empty_expert=4)
+    x = _tokens(45, 40).detach()
+    row_id_map, counts, start = impl.moe_expert_layout_impl(routing_map, 8, 120)
+    for weights, scale in ((None, False), (probs, True)):
+        expected = scatter_rows_triton(x, row_id_map, start, counts, weights, 120, scale)
+        got = scatter_rows_triton(x, row_id_map, start, counts, weights, 120, scale, launch)
+        for mine, theirs in zip(got, expected, strict=True):
+            assert torch.equal(mine, theirs)
