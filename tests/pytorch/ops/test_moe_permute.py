@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from primus_turbo.pytorch.kernels.moe import permute_impl as impl
 from primus_turbo.pytorch.ops import moe_permute, moe_unpermute, tokens_per_expert_to_mask
@@ -219,3 +221,57 @@ def test_scatter_launches_agree(launch):
         got = scatter_rows_triton(x, row_id_map, start, counts, weights, 120, scale, launch)
         for mine, theirs in zip(got, expected, strict=True):
             assert torch.equal(mine, theirs)
+
+
+@settings(max_examples=30 if DEVICE == "cuda" else 6, deadline=None, derandomize=True)
+@given(
+    tokens=st.integers(1, 70),
+    experts=st.integers(1, 9),
+    hidden=st.integers(1, 40),
+    topk_share=st.floats(0.0, 1.0),
+    pad_multiple=st.sampled_from([0, 1, 3, 8]),
+    cap_share=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
+    topk_input=st.booleans(),
+)
+def test_permute_round_trip_on_fuzzed_routing(
+    tokens, experts, hidden, topk_share, pad_multiple, cap_share, topk_input
+):
+    """Random token and expert counts (experts with no tokens, tokens with no route), paddings, fixed row
+    counts that cut routes or leave spare rows, both routing inputs: rows, counts and the weighted round
+    trip against the references, gradients included."""
+    topk = max(1, round(topk_share * experts))
+    gen = torch.Generator().manual_seed(tokens * 131 + experts * 7 + hidden)
+    top = torch.rand(tokens, experts, generator=gen).topk(topk, dim=-1).indices
+    top = torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, top)  # dropped routes
+    routing_map = torch.zeros(tokens, experts + 1, dtype=torch.bool).scatter(
+        1, torch.where(top < 0, experts, top), True
+    )
+    routing_map = routing_map[:, :experts].to(DEVICE)
+    probs = (torch.rand(tokens, experts, generator=gen).to(DEVICE) * routing_map).requires_grad_()
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE).requires_grad_()
+    full = permute_ref(x.detach(), routing_map, pad_multiple)
+    rows = round(cap_share * full.shape[0]) if cap_share else -1
+    expert_map = top.to(DEVICE) if topk_input else routing_map
+    weights = (
+        probs.gather(1, torch.where(top < 0, 0, top).to(DEVICE)) * (top >= 0).to(DEVICE)
+        if topk_input
+        else probs
+    )
+    permuted, row_id_map, counts, permuted_probs, _ = moe_permute(
+        x, expert_map, weights, num_local_experts=experts, pad_multiple=pad_multiple, num_permuted_tokens=rows
+    )
+    kept = full.shape[0] if rows < 0 else min(rows, full.shape[0])
+    assert permuted.shape[0] == (full.shape[0] if rows < 0 else rows)
+    assert torch.equal(permuted[:kept], full[:kept]) and not permuted[kept:].any()
+    assert int(counts.sum()) == int((row_id_map >= 0).sum())
+    expected_probs = permuted_probs_ref(probs.detach(), routing_map, pad_multiple)[:kept]
+    torch.testing.assert_close(permuted_probs[:kept], expected_probs)
+    out = moe_unpermute(permuted, row_id_map, weights, topk_indices=expert_map if topk_input else None)
+    kept_map = row_id_map >= 0
+    expected = (x.detach()[:, None, :] * torch.where(kept_map, probs.detach(), 0.0)[..., None]).sum(1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    (out.sum() + permuted_probs.sum()).backward()
+    grad_x = torch.where(kept_map, probs.detach(), 0.0).sum(1, keepdim=True).expand_as(x)
+    torch.testing.assert_close(x.grad, grad_x, rtol=1e-5, atol=1e-5)
+    grad_probs = torch.where(kept_map, x.detach().sum(1, keepdim=True) + 1.0, 0.0)
+    torch.testing.assert_close(probs.grad, grad_probs, rtol=1e-5, atol=1e-5)
