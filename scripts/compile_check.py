@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from primus_turbo.triton.gemm import gemm_kernel as gemm
     from primus_turbo.triton.grouped_gemm import group_quant_kernel as group_quant
     from primus_turbo.triton.grouped_gemm import grouped_gemm_kernel as grouped
+    from primus_turbo.triton.moe import ep_kernel as ep
     from primus_turbo.triton.moe import permute_kernel as permute
     from primus_turbo.triton.moe import router_kernel as router
     from primus_turbo.triton.normalization import rmsnorm_kernel as norm
@@ -547,6 +548,19 @@ def main(argv: list[str] | None = None) -> int:
         "moe unpermute backward (scaled scatter)",
         lambda: permute.scatter_rows_triton(hidden, rows_map, experts, experts, logits, 32768, True),
     )
+    layout = ep.peer_layout(1 << 30, 2, 7168 * 2, 7168, 8, 56)
+    table, in_rank = torch.empty(2, dtype=torch.int64), torch.empty(4096, 2, dtype=torch.int32)
+    idx8, w8 = torch.empty(4096, 8, dtype=torch.int64), torch.empty(4096, 8)
+    attempt(
+        "ep dispatch push",
+        lambda: ep.dispatch_push_triton(hidden, idx8, w8, None, in_rank, in_rank[0], table, 0, layout, 128),
+    )
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    attempt("ep dispatch receive", lambda: ep.dispatch_receive_triton(buffer, layout, 8192, True, False))
+    src = torch.empty(8192, dtype=torch.int32)
+    rows8k = permuted[:8192]
+    attempt("ep combine push", lambda: ep.combine_push_triton(rows8k, None, src, src, table, 0, layout))
+    attempt("ep combine reduce", lambda: ep.combine_reduce_triton(buffer, in_rank, layout, bf16, True))
     attempt("moe unpermute (merge rows)", lambda: permute.merge_rows_triton(permuted, rows_map, logits))
     attempt("moe unpermute weight grad", lambda: permute.route_dots_triton(hidden, permuted, rows_map))
     print("all kernels compile for sm_90" if ok else "some kernels failed to compile for sm_90", flush=True)

@@ -36,8 +36,9 @@
 #   ATTN_HOST=1         host time per attention call (TRITON, default route, bare SDPA, the launchers, a cProfile
 #                       of the TRITON step) at a tiny shape (scripts/profile_attention_host.py)
 #   MOE=1               also run the MoE router and permutation benchmarks
-#   EP=1                dispatch / combine across every visible GPU against Megatron's all-to-all path,
-#                       bf16 and FP8 (bench_moe_dispatch.py; needs 2+ GPUs)
+#   EP=1                the multi-process tests (NCCL), then dispatch / combine across every visible GPU on the
+#                       TORCH and TURBO backends against Megatron's all-to-all path, bf16 and FP8
+#                       (bench_moe_dispatch.py; needs 2+ GPUs)
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -166,11 +167,17 @@ if [ "${MOE:-0}" = 1 ]; then
     -o "$OUT/moe_permute.csv" 2>&1 | tee "$OUT/bench_moe_permute.log" || status=1
 fi
 if [ "${EP:-0}" = 1 ]; then
-  for dtype in bf16 fp8; do
-    flag=""
-    [ "$dtype" = fp8 ] && flag="--fp8"
-    timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_moe_dispatch $flag --worst \
-      -o "$OUT/moe_dispatch_$dtype.csv" 2>&1 | tee "$OUT/bench_moe_dispatch_$dtype.log" || status=1
+  timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest tests/pytorch/distributed --dist-only -q -p no:cacheprovider \
+    > "$OUT/tests_dist.log" 2>&1 || status=1
+  tail -n 5 "$OUT/tests_dist.log"
+  for backend in TORCH TURBO; do
+    for dtype in bf16 fp8; do
+      flag=""
+      [ "$dtype" = fp8 ] && flag="--fp8"
+      PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=$backend timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python \
+        -m benchmark.ops.training.bench_moe_dispatch $flag --worst -o "$OUT/moe_dispatch_${backend}_$dtype.csv" 2>&1 \
+        | tee "$OUT/bench_moe_dispatch_${backend}_$dtype.log" || status=1
+    done
   done
 fi
 if [ "${GROUPED:-0}" = 1 ]; then

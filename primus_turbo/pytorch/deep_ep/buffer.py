@@ -18,6 +18,11 @@ paths:
 ``topk_idx`` values are checked where they are on the host (or with ``PRIMUS_TURBO_DEBUG_CHECKS=1``),
 with one small all-reduce so that a bad value on one rank raises on all of them.
 
+With the ``TURBO`` backend selected (CUDA, one host), rows are written straight into the peers' buffers
+(torch symmetric memory, ``peer.py``): a barrier, the push, a barrier, this rank's own buffer compacted;
+combine the same way back. The buffer (``num_nvl_bytes``, or ``Config.get_nvl_buffer_size_hint``'s size
+when 0) is allocated at the first dispatch, a collective; every rank's token count must fit it.
+
 With the ``DEEP_EP`` backend selected, ``Buffer(...)`` returns the external package's own
 ``deep_ep.Buffer`` built from the same arguments (an error names the missing package where it does not
 import), and ``buffer_size_hints`` asks that package's configs for the staging sizes.
@@ -36,14 +41,23 @@ import torch.distributed as dist
 
 from primus_turbo.common.constants import ENV_DEBUG_CHECKS
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
+from primus_turbo.pytorch.deep_ep.peer import (
+    PeerHandle,
+    SymmetricPeers,
+    combine_push,
+    combine_reduce,
+    dispatch_push,
+    dispatch_receive,
+    peer_buffer_bytes,
+)
 from primus_turbo.pytorch.kernels.moe.permute_impl import take_rows
 
 __all__ = ["Buffer", "Config", "EventOverlap", "Handle", "buffer_size_hints"]
 
 
 class Config:
-    """DeepEP's performance config. The all-to-all backend keeps the values for API compatibility; it
-    needs no staging buffer, so its size hints are 0."""
+    """DeepEP's performance config. The all-to-all backend keeps the values for API compatibility and needs
+    no staging buffer (size hints 0); the TURBO backend's hint is its peer buffer (``peer_buffer_bytes``)."""
 
     def __init__(
         self,
@@ -60,8 +74,8 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVLink staging buffer needed: none for the all-to-all backend."""
-        return 0
+        """Bytes of NVLink buffer needed: the TURBO backend's peer buffer, none for the all-to-all one."""
+        return peer_buffer_bytes(hidden_bytes, num_ranks) if _selected_backend() is BackendType.TURBO else 0
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA staging buffer needed: none for the all-to-all backend."""
@@ -137,10 +151,10 @@ def buffer_size_hints(group_size: int, hidden_bytes: int) -> tuple[int, int]:
 class Buffer:
     """Expert-parallel communication over ``group`` with DeepEP v1's calls (see the module docstring).
 
-    ``num_nvl_bytes`` / ``num_rdma_bytes`` / ``low_latency_mode`` are accepted for compatibility; the
-    all-to-all backend allocates nothing up front. The backend comes from
-    ``PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND`` or ``GlobalBackendManager``: TORCH (built here), or
-    DEEP_EP, for which the constructor returns a ``deep_ep.Buffer``.
+    ``num_nvl_bytes`` sizes the TURBO backend's peer buffer; ``num_rdma_bytes`` / ``low_latency_mode`` are
+    accepted for compatibility; the all-to-all backend allocates nothing. The backend comes from
+    ``PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND`` or ``GlobalBackendManager``: TORCH or TURBO (built here),
+    or DEEP_EP, for which the constructor returns a ``deep_ep.Buffer``.
     """
 
     num_sms: int = 20
@@ -164,11 +178,14 @@ class Buffer:
         if low_latency_mode:
             raise ValueError("low-latency mode is not implemented; use the normal dispatch/combine")
         backend = _selected_backend()
-        if backend is not BackendType.TORCH:
+        if backend not in (BackendType.TORCH, BackendType.TURBO):
             raise ValueError(
                 f"MoE dispatch/combine backend {backend.name} is not available in this build; TORCH "
-                "(all-to-all over torch.distributed) and DEEP_EP (the deep_ep package) are"
+                "(all-to-all over torch.distributed), TURBO (peer memory) and DEEP_EP (the deep_ep "
+                "package) are"
             )
+        self.backend = backend
+        self._peers: SymmetricPeers | None = None
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -277,6 +294,11 @@ class Buffer:
         same layout is reused and only rows move (the backward of ``combine``).
         """
         x, scales = x if isinstance(x, tuple) else (x, None)
+        if self.backend is BackendType.TURBO:
+            return self._dispatch_peer(
+                x, scales, handle, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                expert_alignment, num_worst_tokens, async_finish,
+            )  # fmt: skip
         if handle is not None:
             recv_x = self._send(x, handle)
             recv_scales = self._send(scales, handle) if scales is not None else None
@@ -325,12 +347,66 @@ class Buffer:
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Send received rows back and sum each token's copies at its source (fp32, rank by rank):
         ``(combined_x [T, H], combined_topk_weights, event)``. ``bias`` (one tensor or two) is added."""
+        if isinstance(handle, PeerHandle):
+            peers = self._peers
+            peers.barrier()
+            combine_push(peers, x, topk_weights, handle)
+            peers.barrier()
+            combined, weights = combine_reduce(peers, handle, x.dtype, topk_weights is not None)
+            for b in () if bias is None else bias if isinstance(bias, tuple) else (bias,):
+                combined = combined + b
+            return combined, weights, _event(async_finish, x.device)
         combined = self._return(x, handle)
         if bias is not None:
             for b in bias if isinstance(bias, tuple) else (bias,):
                 combined = combined + b
         weights = self._return(topk_weights, handle) if topk_weights is not None else None
         return combined, weights, _event(async_finish, x.device)
+
+    def _dispatch_peer(
+        self, x, scales, handle, in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+        num_worst_tokens, async_finish,
+    ):  # fmt: skip
+        """The TURBO path: rows written into the peers' symmetric buffers (``peer.py``)."""
+        if x.device.type != "cuda":
+            raise ValueError("the TURBO dispatch backend needs CUDA tensors on an intranode group")
+        if handle is None:
+            if topk_idx is None or in_rank is None or num_tokens_per_expert is None:
+                raise ValueError(
+                    "dispatch needs topk_idx, is_token_in_rank and num_tokens_per_expert (from "
+                    "get_dispatch_layout) or a handle"
+                )
+            if topk_weights is not None and topk_weights.dtype != torch.float32:
+                raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
+            experts = num_tokens_per_expert.numel()
+        else:
+            topk_idx = torch.full((x.shape[0], handle.layout.topk), -1, dtype=torch.int64, device=x.device)
+            experts = handle.local_experts * self.group_size
+        if self._peers is None:  # a collective: every rank dispatches
+            nbytes = self.num_nvl_bytes or peer_buffer_bytes(x.shape[1] * 2, self.group_size)
+            self._peers = SymmetricPeers(self.group, nbytes, x.device)
+        peers = self._peers
+        peers.barrier()
+        slot, sent, layout = dispatch_push(
+            peers, x, topk_idx, topk_weights if handle is None else None, scales, in_rank, experts, handle
+        )
+        peers.barrier()
+        rows = handle.src_rank.numel() if handle is not None else (num_worst_tokens or -1)
+        recv_x, recv_idx, recv_w, recv_s, src_rank, src_pos = dispatch_receive(
+            peers, layout, rows, x.dtype, x.shape[1], topk_weights is not None and handle is None,
+            scales is not None,
+        )  # fmt: skip
+        out = (recv_x, recv_s) if scales is not None else recv_x
+        if handle is not None:
+            return out, None, None, [], handle, _event(async_finish, x.device)
+        local = experts // self.group_size
+        handle = PeerHandle(slot, sent, src_rank, src_pos, layout, local)
+        counts: list[int] = []
+        if num_worst_tokens <= 0:
+            per_expert = torch.bincount(recv_idx[recv_idx >= 0], minlength=local)
+            align = max(1, expert_alignment)
+            counts = ((per_expert + align - 1) // align * align).tolist()
+        return out, recv_idx, recv_w, counts, handle, _event(async_finish, x.device)
 
     def _layout(self, in_rank: torch.Tensor, num_worst_tokens: int) -> Handle:
         """Where each token goes: the send order, counts both ways and (fixed-size path) the compaction."""

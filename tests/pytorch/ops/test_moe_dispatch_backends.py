@@ -1,6 +1,7 @@
 """Backend selection of the expert-parallel ``Buffer``: DEEP_EP hands out the external package's own
-buffer (built from the same arguments) or names the missing package; TURBO says it is not built; the
-dispatch ops size their buffer from the selected backend's hints. Single process: no collective runs."""
+buffer (built from the same arguments) or names the missing package; TURBO sizes its peer buffer and
+needs CUDA; the dispatch ops size their buffer from the selected backend's hints. Single process: no
+collective runs."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import sys
 import types
 
 import pytest
+import torch
 
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
 from primus_turbo.pytorch.deep_ep import Buffer
+from primus_turbo.pytorch.deep_ep import buffer as buffer_module
 from primus_turbo.pytorch.deep_ep.buffer import buffer_size_hints
+from primus_turbo.pytorch.deep_ep.peer import peer_buffer_bytes
 from primus_turbo.pytorch.ops.moe import dispatch
 
 
@@ -70,11 +74,19 @@ def test_deep_ep_without_the_package_names_it(deep_ep_backend):
         Buffer("ep-group")
 
 
-def test_turbo_backend_is_not_built():
+def test_turbo_backend_sizes_its_peer_buffer_and_needs_cuda(monkeypatch):
     GlobalBackendManager.set_moe_dispatch_combine_backend(BackendType.TURBO)
     try:
-        with pytest.raises(ValueError, match="TURBO is not available in this build"):
-            Buffer(None)
+        assert buffer_size_hints(2, 7168 * 2) == (peer_buffer_bytes(7168 * 2, 2), 0)
+        monkeypatch.setattr(buffer_module.dist, "get_rank", lambda group: 0)
+        monkeypatch.setattr(buffer_module.dist, "get_world_size", lambda group: 2)
+        buffer = Buffer("ep-group")
+        idx = torch.zeros(4, 2, dtype=torch.int64)
+        with pytest.raises(ValueError, match="needs CUDA"):
+            buffer.dispatch(
+                torch.zeros(4, 8), topk_idx=idx, is_token_in_rank=torch.ones(4, 2, dtype=torch.bool),
+                num_tokens_per_expert=torch.zeros(4, dtype=torch.int32),
+            )  # fmt: skip
     finally:
         GlobalBackendManager.reset()
 
