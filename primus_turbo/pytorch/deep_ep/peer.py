@@ -147,10 +147,10 @@ def dispatch_receive(
 
 
 def combine_push(
-    peers: Peers, y: torch.Tensor, topk_weights: torch.Tensor | None, handle: PeerHandle
+    peers: Peers, y: torch.Tensor | None, topk_weights: torch.Tensor | None, handle: PeerHandle
 ) -> None:
-    """Received rows (16-bit [N, H]) back into their sources' buffers."""
-    if y.element_size() != 2 or y.shape[1] != handle.layout.hidden:
+    """Received rows (16-bit [N, H]) and/or fp32 top-k weights [N, K] back into their sources' buffers."""
+    if y is not None and (y.element_size() != 2 or y.dim() != 2 or y.shape[1] != handle.layout.hidden):
         raise ValueError(
             f"TURBO combine takes 16-bit rows of hidden {handle.layout.hidden}, "
             f"got {y.dtype} {tuple(y.shape)}"
@@ -161,7 +161,8 @@ def combine_push(
 
 
 def combine_reduce(
-    peers: Peers, handle: PeerHandle, dtype: torch.dtype, with_weights: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each token's returned rows summed in fp32 in rank order: ``([T, H], [T, K] or None)``."""
+    peers: Peers, handle: PeerHandle, dtype: torch.dtype | None, with_weights: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each token's returned rows (of ``dtype``; none without one) and weights summed in fp32 in rank
+    order: ``([T, H] or None, [T, K] or None)``."""
     return combine_reduce_triton(peers.buffer, handle.slot, handle.layout, dtype, with_weights)

@@ -180,14 +180,17 @@ def _dispatch_receive_kernel(
 @triton.jit
 def _combine_push_kernel(
     y_ptr, w_ptr, src_rank_ptr, src_pos_ptr, table_ptr, me, cap, row_words, rows_off, w_off, K,
-    HAS_W: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr,
+    HAS_Y: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     source = tl.load(src_rank_ptr + r)
     if source >= 0:
         base = _peer(table_ptr, source)
         row = (me * cap + tl.load(src_pos_ptr + r)).to(tl.int64)
-        _copy_words(base + rows_off + row * row_words, y_ptr + r.to(tl.int64) * row_words, row_words, BLOCK)
+        if HAS_Y:
+            _copy_words(
+                base + rows_off + row * row_words, y_ptr + r.to(tl.int64) * row_words, row_words, BLOCK
+            )
         if HAS_W:
             ks = tl.arange(0, K_P2)
             weights = tl.load(w_ptr + r.to(tl.int64) * K + ks, mask=ks < K, other=0.0)
@@ -197,7 +200,7 @@ def _combine_push_kernel(
 @triton.jit
 def _combine_reduce_kernel(
     buf_ptr, wbuf_ptr, slot_ptr, out_ptr, w_out_ptr, cap, H, rows_off, w_off, K,
-    R: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr,
+    R: tl.constexpr, HAS_Y: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     cols_block = tl.program_id(1)
@@ -209,10 +212,12 @@ def _combine_reduce_kernel(
         slot = tl.load(slot_ptr + t.to(tl.int64) * R + d)
         if slot >= 0:
             row = (d * cap + slot).to(tl.int64)
-            acc += tl.load(buf_ptr + rows_off + row * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+            if HAS_Y:
+                acc += tl.load(buf_ptr + rows_off + row * H + cols, mask=cols < H, other=0.0).to(tl.float32)
             if HAS_W:
                 w_acc += tl.load(wbuf_ptr + w_off + row * K + ks, mask=ks < K, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+    if HAS_Y:
+        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
     if HAS_W:
         if cols_block == 0:
             tl.store(w_out_ptr + t.to(tl.int64) * K + ks, w_acc, mask=ks < K)
@@ -280,7 +285,7 @@ def dispatch_receive_triton(
 
 
 def combine_push_triton(
-    y: torch.Tensor,
+    y: torch.Tensor | None,
     weights: torch.Tensor | None,
     src_rank: torch.Tensor,
     src_pos: torch.Tensor,
@@ -288,35 +293,40 @@ def combine_push_triton(
     me: int,
     layout: PeerLayout,
 ) -> None:
-    """Received rows ``y`` [N, H] (16-bit) back into their source ranks' combine blocks, with their
-    top-k ``weights`` [N, K] when given."""
-    rows = y.shape[0]
+    """Received rows ``y`` [N, H] (16-bit) and/or their fp32 top-k ``weights`` [N, K] back into their
+    source ranks' combine blocks."""
+    rows = src_rank.shape[0]
     if rows:
         _combine_push_kernel[(rows,)](
-            _words(y), weights.contiguous() if weights is not None else src_rank, src_rank, src_pos, table,
-            me, layout.cap, layout.hidden // 2, layout.combine_rows // 4, layout.combine_weights // 4,
-            layout.topk, HAS_W=weights is not None, BLOCK=_BLOCK_WORDS, K_P2=_p2(layout.topk),
+            _words(y) if y is not None else src_rank,
+            weights.contiguous() if weights is not None else src_rank, src_rank, src_pos, table, me,
+            layout.cap, layout.hidden // 2, layout.combine_rows // 4, layout.combine_weights // 4,
+            layout.topk, HAS_Y=y is not None, HAS_W=weights is not None, BLOCK=_BLOCK_WORDS,
+            K_P2=_p2(layout.topk),
         )  # fmt: skip
 
 
 def combine_reduce_triton(
-    buffer: torch.Tensor, slot: torch.Tensor, layout: PeerLayout, dtype: torch.dtype, with_weights: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([T, H] in ``dtype``, fp32 [T, K] or None): each token's rows from this rank's ``buffer`` (uint8)
-    combine blocks, summed in fp32 in rank order."""
+    buffer: torch.Tensor,
+    slot: torch.Tensor,
+    layout: PeerLayout,
+    dtype: torch.dtype | None,
+    with_weights: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """([T, H] in ``dtype`` or None without a ``dtype``, fp32 [T, K] or None): each token's rows (and top-k
+    weights) from this rank's ``buffer`` (uint8) combine blocks, summed in fp32 in rank order."""
     tokens = slot.shape[0]
-    out = torch.empty((tokens, layout.hidden), dtype=dtype, device=buffer.device)
-    w = (
-        torch.empty((tokens, layout.topk), dtype=torch.float32, device=buffer.device)
-        if with_weights
-        else None
-    )
+    device = buffer.device
+    out = torch.empty((tokens, layout.hidden), dtype=dtype, device=device) if dtype is not None else None
+    w = torch.empty((tokens, layout.topk), dtype=torch.float32, device=device) if with_weights else None
     if tokens:
-        block = min(_BLOCK_WORDS, _p2(layout.hidden))
-        _combine_reduce_kernel[(tokens, triton.cdiv(layout.hidden, block))](
-            buffer.view(dtype), buffer.view(torch.float32), slot.contiguous(), out,
+        block = min(_BLOCK_WORDS, _p2(layout.hidden)) if out is not None else 16
+        grid = (tokens, triton.cdiv(layout.hidden, block) if out is not None else 1)
+        rows = buffer.view(dtype if dtype is not None else torch.bfloat16)
+        _combine_reduce_kernel[grid](
+            rows, buffer.view(torch.float32), slot.contiguous(), out if out is not None else w,
             w if w is not None else out, layout.cap, layout.hidden, layout.combine_rows // 2,
-            layout.combine_weights // 4, layout.topk, R=layout.ranks, HAS_W=with_weights, BLOCK=block,
-            K_P2=_p2(layout.topk),
+            layout.combine_weights // 4, layout.topk, R=layout.ranks, HAS_Y=out is not None,
+            HAS_W=with_weights, BLOCK=block, K_P2=_p2(layout.topk),
         )  # fmt: skip
     return out, w

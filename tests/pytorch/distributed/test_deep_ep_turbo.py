@@ -27,6 +27,8 @@ def _worker(rank: int, world: int, store: str, worst: int, fp8: bool) -> None:
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
     from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager
     from primus_turbo.pytorch.deep_ep import Buffer
+    from primus_turbo.pytorch.ops import moe_combine, moe_dispatch
+    from primus_turbo.pytorch.ops.moe import dispatch as dispatch_ops
 
     experts, topk, tokens, hidden = 16, 4, 300, 256
     gen = torch.Generator().manual_seed(7 + rank)
@@ -49,6 +51,14 @@ def _worker(rank: int, world: int, store: str, worst: int, fp8: bool) -> None:
             recv_x.float().bfloat16() if fp8 else recv_x, handle, topk_weights=recv_w
         )
         results[backend] = (recv, recv_idx, recv_w, counts, combined, combined_w)
+        if not fp8:  # the autograd ops: gradients of the tokens and the weights
+            dispatch_ops._BUFFERS.clear()
+            leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            got_x, _, got_w, _, op_handle = moe_dispatch(leaf, idx, w_leaf, experts, num_worst_tokens=worst)
+            moe_combine(
+                got_x * got_w.sum(1, keepdim=True).bfloat16(), op_handle
+            ).float().square().sum().backward()
+            results[backend] += (leaf.grad, w_leaf.grad)
     GlobalBackendManager.reset()
     ours, theirs = results[BackendType.TURBO], results[BackendType.TORCH]
     for mine, ref in zip(ours, theirs, strict=True):

@@ -113,6 +113,14 @@ def test_dispatch_and_combine_match_the_reference(world, experts, topk, mode, fp
         copies = _in_rank(idx, experts, world).sum(1, keepdim=True)
         torch.testing.assert_close(out.float().cpu(), (x.float() * copies).bfloat16().float())
         torch.testing.assert_close(weights.cpu(), torch.where(idx >= 0, w, 0.0))
+    # weights alone (the gradient of the dispatched weights travels this way)
+    for rank in range(world):
+        combine_push(peers[rank], None, 3 * received[rank][1], handles[rank])
+    for rank in range(world):
+        nothing, weights = combine_reduce(peers[rank], handles[rank], None, True)
+        _, idx, w = inputs[rank]
+        assert nothing is None
+        torch.testing.assert_close(weights.cpu(), torch.where(idx >= 0, 3 * w, 0.0))
 
 
 def test_dispatch_with_a_handle_moves_new_rows_the_same_way():
