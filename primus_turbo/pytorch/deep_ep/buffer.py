@@ -348,12 +348,13 @@ class Buffer:
         """Send received rows back and sum each token's copies at its source (fp32, rank by rank):
         ``(combined_x [T, H], combined_topk_weights, event)``. ``bias`` (one tensor or two) is added."""
         if isinstance(handle, PeerHandle):
-            return self._combine_peer(x, handle, topk_weights, bias, async_finish)
-        combined = self._return(x, handle)
+            combined, weights = self._combine_peer(x, handle, topk_weights)
+        else:
+            combined = self._return(x, handle)
+            weights = self._return(topk_weights, handle) if topk_weights is not None else None
         if bias is not None:
             for b in bias if isinstance(bias, tuple) else (bias,):
                 combined = combined + b
-        weights = self._return(topk_weights, handle) if topk_weights is not None else None
         return combined, weights, _event(async_finish, x.device)
 
     def _dispatch_peer(
@@ -401,9 +402,11 @@ class Buffer:
             counts = ((per_expert + align - 1) // align * align).tolist()
         return out, recv_idx, recv_w, counts, handle, _event(async_finish, x.device)
 
-    def _combine_peer(self, x, handle, topk_weights, bias, async_finish):
-        """The TURBO path of ``combine``. fp32 rows as wide as the top-k (the gradient of dispatched
-        weights) travel in the weights' slots."""
+    def _combine_peer(
+        self, x: torch.Tensor, handle: PeerHandle, topk_weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The TURBO path of ``combine``: ``(combined, combined weights)``. fp32 rows as wide as the top-k
+        (the gradient of dispatched weights) travel in the weights' slots."""
         peers = self._peers
         as_weights = x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == handle.layout.topk
         peers.barrier()
@@ -413,11 +416,8 @@ class Buffer:
             combine_push(peers, x, topk_weights, handle)
         peers.barrier()
         if as_weights:
-            return combine_reduce(peers, handle, None, True)[1], None, _event(async_finish, x.device)
-        combined, weights = combine_reduce(peers, handle, x.dtype, topk_weights is not None)
-        for b in () if bias is None else bias if isinstance(bias, tuple) else (bias,):
-            combined = combined + b
-        return combined, weights, _event(async_finish, x.device)
+            return combine_reduce(peers, handle, None, True)[1], None
+        return combine_reduce(peers, handle, x.dtype, topk_weights is not None)
 
     def _layout(self, in_rank: torch.Tensor, num_worst_tokens: int) -> Handle:
         """Where each token goes: the send order, counts both ways and (fixed-size path) the compaction."""

@@ -23,15 +23,20 @@ from primus_turbo.pytorch.kernels.moe.permute_impl import (
 __all__ = ["moe_permute", "moe_unpermute", "tokens_per_expert_to_mask"]
 
 
+def _scatter_tokens(tokens, probs_map, row_id_map, start, kept, rows):
+    """(permuted rows, each row's route probability or None without ``probs_map``)."""
+    permuted, permuted_probs = call_op(
+        moe_scatter_rows_impl, tokens, row_id_map, start, kept, probs_map, rows, False
+    )
+    return permuted, permuted_probs if probs_map is not None else None
+
+
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, probs_map, row_id_map, start, kept, rows):
         ctx.save_for_backward(row_id_map)
         ctx.probs_dtype = probs_map.dtype if probs_map is not None else None
-        permuted, permuted_probs = call_op(
-            moe_scatter_rows_impl, tokens, row_id_map, start, kept, probs_map, rows, False
-        )
-        return permuted, permuted_probs if probs_map is not None else None
+        return _scatter_tokens(tokens, probs_map, row_id_map, start, kept, rows)
 
     @staticmethod
     def backward(ctx, grad_permuted, grad_probs):
@@ -158,15 +163,8 @@ def moe_permute(
     )
     rows = num_permuted_tokens if num_permuted_tokens > 0 else int(start[-1].item())
     probs_map = _probs_map(probs, index, num_local_experts) if probs is not None else None
-    if _needs_grad(tokens, probs_map):
-        permuted, permuted_probs = _PermuteFunction.apply(
-            tokens, probs_map, row_id_map, start, tokens_per_expert, rows
-        )
-    else:
-        permuted, permuted_probs = call_op(
-            moe_scatter_rows_impl, tokens, row_id_map, start, tokens_per_expert, probs_map, rows, False
-        )
-        permuted_probs = permuted_probs if probs_map is not None else None
+    scatter = _PermuteFunction.apply if _needs_grad(tokens, probs_map) else _scatter_tokens
+    permuted, permuted_probs = scatter(tokens, probs_map, row_id_map, start, tokens_per_expert, rows)
     permuted_scales = None
     if scales is not None:
         permuted_scales, _ = call_op(
