@@ -1,0 +1,61 @@
+"""``add_primus_turbo_args``: the ``--enable-primus-turbo`` switch and per-feature flags for Megatron-LM's
+argument parser (pass it as ``extra_args_provider``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from primus_turbo.integrations.megatron.config import FEATURES, PrimusTurboConfig
+
+__all__ = ["add_primus_turbo_args"]
+
+_FEATURE_HELP = {
+    "use_turbo_attention": "flash attention (TEDotProductAttention's slot)",
+    "use_turbo_gemm": "linear layers: column/row parallel, layer-norm + linear",
+    "use_turbo_grouped_gemm": "grouped-GEMM experts (needs --moe-grouped-gemm)",
+    "use_turbo_deepep": "the expert-parallel (flex) token dispatcher over deep_ep.Buffer",
+    "use_turbo_rms_norm": "RMSNorm layers, the final norm included",
+    "use_turbo_fused_act_with_probs": "SwiGLU fused with the routing probabilities in the experts",
+}
+
+
+def add_primus_turbo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the Primus-Turbo group to ``parser`` and return it (Megatron's ``extra_args_provider`` shape).
+
+    ``--enable-primus-turbo`` turns on every feature the model can use; ``--no-use-turbo-X`` turns one off
+    and ``--use-turbo-X`` insists on it. Read the result with ``PrimusTurboConfig.from_args(args)``.
+    """
+    group = parser.add_argument_group(title="Primus-Turbo")
+    group.add_argument(
+        "--enable-primus-turbo",
+        action="store_true",
+        help="fill Megatron's Transformer-Engine slots with Primus-Turbo modules",
+    )
+    for name in FEATURES:
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"Turbo {_FEATURE_HELP[name]} (default: on when the model can use it)",
+        )
+    for name, what in (
+        ("turbo_gemm_backend", "GEMM"),
+        ("turbo_grouped_gemm_backend", "grouped GEMM"),
+        ("turbo_attention_backend", "attention"),
+        ("turbo_dispatch_backend", "MoE dispatch/combine"),
+    ):
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            default=None,
+            help=f"{what} backend: a name (TRITON, ...), 'autotune' or per precision 'fp8:X,other:Y'",
+        )
+    group.add_argument(
+        "--use-turbo-autotune", action="store_true", help="time eligible backends per shape and keep the best"
+    )
+    group.add_argument(
+        "--turbo-num-worst-tokens",
+        type=int,
+        default=PrimusTurboConfig.turbo_num_worst_tokens,
+        help="size expert-parallel receive buffers for this many tokens: dispatch without a host sync",
+    )
+    return parser

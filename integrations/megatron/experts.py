@@ -1,0 +1,226 @@
+"""MoE experts on Turbo grouped GEMM: ``TurboGroupedLinear`` (the TE grouped-linear slots) and
+``TurboGroupedMLP`` (the ``TEGroupedMLP`` slot), with token counts kept on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide, get_pg_rank, get_pg_size
+from primus_turbo.integrations.megatron.config import fp8_quant_config
+from primus_turbo.integrations.megatron.linear import _ExtraState
+from torch import nn
+
+from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8, swiglu_with_probs
+
+__all__ = [
+    "TurboColumnParallelGroupedLinear",
+    "TurboGroupedLinear",
+    "TurboGroupedMLP",
+    "TurboGroupedMLPWithFusedAct",
+    "TurboRowParallelGroupedLinear",
+]
+
+
+def _expert_tp_group(pg_collection: Any) -> torch.distributed.ProcessGroup | None:
+    group = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+    return group
+
+
+class TurboGroupedLinear(_ExtraState, nn.Module):
+    """``TEGroupedLinear``'s contract: ``num_gemms`` experts' weights ``weight0..weight{n-1}`` [out, in]
+    (TE's names), ``forward(x, m_splits)`` over tokens sorted by expert, ``m_splits`` a device tensor (no
+    host sync) or a list. The experts' tensor-parallel split (column: output features, row: input
+    features) is sized here; the token dispatcher moves the data."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str | None,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if bias and skip_bias_add:
+            raise ValueError("Turbo grouped linear layers add their bias (skip_bias_add=False)")
+        self.config, self.num_gemms, self.parallel_mode = config, num_gemms, parallel_mode
+        self.is_expert, self.tp_comm_buffer_name = is_expert, tp_comm_buffer_name
+        self.quant_config = fp8_quant_config(config)
+        self.is_first_microbatch = True
+        group = _expert_tp_group(pg_collection) if parallel_mode in ("column", "row") else None
+        tp_size, rank = get_pg_size(group), get_pg_rank(group)
+        self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
+        self.out_features = divide(output_size, tp_size) if parallel_mode == "column" else output_size
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        dim = 1 if parallel_mode == "row" else 0
+        expert_parallel = config.expert_model_parallel_size > 1
+        for i in range(num_gemms):
+            weight = nn.Parameter(
+                torch.empty(self.out_features, self.in_features, device=device, dtype=config.params_dtype)
+            )
+            if config.perform_initialization:
+                if config.use_cpu_initialization:
+                    _initialize_affine_weight_cpu(
+                        weight,
+                        output_size,
+                        input_size,
+                        self.in_features if dim else self.out_features,
+                        dim,
+                        init_method,
+                        params_dtype=config.params_dtype,
+                        rank=rank,
+                        world_size=tp_size,
+                    )
+                else:
+                    _initialize_affine_weight_gpu(weight, init_method, dim, is_expert=True)
+            self.register_parameter(f"weight{i}", weight)
+            if bias:
+                b = nn.Parameter(torch.zeros(self.out_features, device=device, dtype=config.params_dtype))
+                self.register_parameter(f"bias{i}", b)
+        self.use_bias = bias
+        for param in self.parameters():
+            param.allreduce = not expert_parallel
+
+    def _stacked(self, name: str) -> torch.Tensor:
+        """[G, ...] from the per-expert parameters (the copy's gradient flows back to each)."""
+        return torch.stack([getattr(self, f"{name}{i}") for i in range(self.num_gemms)])
+
+    def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, None]:
+        """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``."""
+        group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
+        weight = self._stacked("weight")
+        if self.quant_config is None:
+            out = grouped_gemm(x, weight, group_lens, trans_b=True)
+        else:
+            out = grouped_gemm_fp8(x, weight, group_lens, trans_b=True, config=self.quant_config)
+        self.is_first_microbatch = False
+        if self.use_bias:
+            rows = torch.repeat_interleave(
+                torch.arange(self.num_gemms, device=x.device), group_lens, output_size=x.shape[0]
+            )
+            out = out + self._stacked("bias")[rows]
+        return out, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in backward (no delayed wgrad)."""
+
+    def extra_repr(self) -> str:
+        fp8 = f", fp8={self.quant_config.granularity.name.lower()}" if self.quant_config else ""
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}, parallel_mode={self.parallel_mode}{fp8}"
+        )
+
+
+class TurboColumnParallelGroupedLinear(TurboGroupedLinear):
+    """``TEColumnParallelGroupedLinear``: the experts' output features split over expert-TP ranks."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs: Any) -> None:
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kwargs)
+
+
+class TurboRowParallelGroupedLinear(TurboGroupedLinear):
+    """``TERowParallelGroupedLinear``: the experts' input features split over expert-TP ranks."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs: Any) -> None:
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kwargs)
+
+
+class TurboGroupedMLP(MegatronModule):
+    """The experts of an MoE layer: grouped fc1, the gated activation times each row's routing
+    probability (one fused Turbo kernel for SwiGLU when ``fused_act_with_probs``), grouped fc2.
+
+    ``forward(hidden [T, H] sorted by local expert, tokens_per_expert [E_local], probs [T])`` returns
+    ``(out [T, H], None)`` as Megatron's experts do; the token counts may stay on the GPU.
+    """
+
+    fused_act_with_probs = False
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: Any,
+        submodules: Any = None,
+        pg_collection: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(config=config)
+        fused_act_with_probs = self.fused_act_with_probs
+        if config.moe_apply_probs_on_input:
+            raise ValueError("moe_apply_probs_on_input is not supported by Turbo grouped experts")
+        swiglu = config.gated_linear_unit and config.activation_func is F.silu
+        if fused_act_with_probs and not swiglu:
+            raise ValueError("the fused activation with probs needs SwiGLU experts (gated_linear_unit, silu)")
+        self.num_local_experts = num_local_experts
+        ffn = config.moe_ffn_hidden_size
+        fc1 = getattr(submodules, "linear_fc1", None) or TurboColumnParallelGroupedLinear
+        fc2 = getattr(submodules, "linear_fc2", None) or TurboRowParallelGroupedLinear
+        common = dict(config=config, is_expert=True, pg_collection=pg_collection, bias=config.add_bias_linear)
+        self.linear_fc1 = fc1(
+            num_local_experts,
+            config.hidden_size,
+            ffn * 2 if config.gated_linear_unit else ffn,
+            init_method=config.init_method,
+            skip_bias_add=False,
+            tp_comm_buffer_name="fc1",
+            **common,
+        )
+        self.linear_fc2 = fc2(
+            num_local_experts,
+            ffn,
+            config.hidden_size,
+            init_method=config.output_layer_init_method,
+            skip_bias_add=False,
+            tp_comm_buffer_name="fc2",
+            **common,
+        )
+
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if self.fused_act_with_probs:
+            return swiglu_with_probs(h, probs)
+        act = self.config.activation_func
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = act(gate) * up
+        else:
+            h = act(h)
+        return (h * probs.unsqueeze(-1)).to(h.dtype)
+
+    def forward(
+        self,
+        permuted_local_hidden_states: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        group_lens = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(
+            permuted_local_hidden_states.device, non_blocking=True
+        )
+        h, _ = self.linear_fc1(permuted_local_hidden_states, group_lens)
+        out, _ = self.linear_fc2(self._activation(h, permuted_probs), group_lens)
+        return out, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in backward (no delayed wgrad)."""
+
+
+class TurboGroupedMLPWithFusedAct(TurboGroupedMLP):
+    """``TurboGroupedMLP`` whose SwiGLU and routing-probability product run as one Turbo kernel."""
+
+    fused_act_with_probs = True

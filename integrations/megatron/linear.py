@@ -1,0 +1,382 @@
+"""Transformer-Engine-shaped linear layers on Turbo GEMM: ``TurboLinear``, ``TurboColumnParallelLinear``,
+``TurboRowParallelLinear`` and ``TurboLayerNormColumnParallelLinear``.
+
+They take the constructor keywords Megatron passes to ``TELinear`` and friends (unknown ones, added by
+later Megatron versions, are accepted and ignored), keep TE's parameter names (``weight``, ``bias``,
+``layer_norm_weight``, ``layer_norm_bias``, an ``_extra_state`` entry) so checkpoints interchange, and
+return ``(out, bias)`` as TE does. Tensor parallelism follows TE: column layers split the output
+features and, with sequence parallelism, all-gather the sequence first; row layers split the input
+features and all-reduce, or reduce-scatter the sequence. Weight gradients go into ``main_grad`` when
+Megatron's ``gradient_accumulation_fusion`` is on; FP8 follows ``config.fp8``/``fp8_recipe``, and the
+quantized weight is reused across micro-batches (``is_first_microbatch``) until the weight changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from primus_turbo.integrations.megatron.config import fp8_quant_config
+from torch import nn
+
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingRecipe,
+    fp8_dtype_for,
+)
+from primus_turbo.pytorch.ops import gemm, gemm_fp8, rmsnorm
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor, quantize_fp8_with_trans
+
+__all__ = [
+    "TurboColumnParallelLinear",
+    "TurboLayerNormColumnParallelLinear",
+    "TurboLinear",
+    "TurboRowParallelLinear",
+    "quantize_weight",
+]
+
+_PARALLEL_MODES = ("column", "row", "duplicated")
+
+
+def quantize_weight(weight: torch.Tensor, config: Float8QuantConfig) -> QuantizedTensor:
+    """An [out, in] weight's FP8 copies for ``gemm_fp8(x, w, trans_b=True)``: along ``in`` for the forward
+    and along ``out`` for the input gradient; the weight gradient still reaches ``weight``."""
+    blockwise = config.granularity is ScalingGranularity.BLOCKWISE
+    recipe = ScalingRecipe(use_2d_block=True) if blockwise else None
+    dtype = fp8_dtype_for(config.format, is_forward=True)
+    with torch.no_grad():
+        q, s, q_t, s_t = quantize_fp8_with_trans(
+            weight, dtype, config.granularity, block_size=config.block_size, scaling_recipe=recipe
+        )
+    axis = None if config.granularity is ScalingGranularity.TENSORWISE or blockwise else 1
+    return QuantizedTensor(
+        q,
+        s,
+        config.granularity,
+        config.block_size,
+        axis,
+        recipe,
+        weight.dtype,
+        hp=weight,
+        data_t=q_t,
+        scale_inv_t=s_t,
+    )
+
+
+class _ExtraState:
+    """TE modules save an ``_extra_state`` entry (their FP8 metadata); ours is empty and ignored on load,
+    so state dicts have the same keys either way."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore: Turbo scales FP8 from the current tensors."""
+
+
+class TurboLinear(_ExtraState, nn.Module):
+    """``TELinear``'s contract: ``parallel_mode`` "column", "row" or "duplicated" (no tensor parallelism)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str | None,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        bias: bool,
+        skip_bias_add: bool,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        is_expert: bool = False,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        stride: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        parallel_mode = parallel_mode or "duplicated"
+        if parallel_mode not in _PARALLEL_MODES:
+            raise ValueError(f"parallel_mode must be one of {_PARALLEL_MODES} or None, got {parallel_mode!r}")
+        if skip_weight_param_allocation:
+            raise ValueError("Turbo linear layers do not support skip_weight_param_allocation")
+        self.config, self.parallel_mode, self.is_expert = config, parallel_mode, is_expert
+        self.skip_bias_add, self.tp_comm_buffer_name = skip_bias_add, tp_comm_buffer_name
+        self.is_first_microbatch = True
+        self.quant_config = fp8_quant_config(config)
+        self._weight_cache: tuple[int, int, QuantizedTensor] | None = None
+        expert_parallel = config.expert_model_parallel_size > 1
+        if parallel_mode == "duplicated":
+            self._tp_group, tp_size, rank = None, 1, 0
+        else:
+            self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+            tp_size, rank = get_pg_size(self._tp_group), get_pg_rank(self._tp_group)
+        # experts' tensor-parallel traffic is the token dispatcher's job
+        self.explicit_expert_comm = is_expert and (tp_size > 1 or expert_parallel)
+        self.communicates = parallel_mode != "duplicated" and tp_size > 1 and not self.explicit_expert_comm
+        self.sequence_parallel = bool(config.sequence_parallel) and self.communicates
+        self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
+        self.out_features = divide(output_size, tp_size) if parallel_mode == "column" else output_size
+        self._make_weight(input_size, output_size, init_method, tp_size, rank, stride)
+        if bias:
+            self.bias = nn.Parameter(self._empty(self.out_features))
+            with torch.no_grad():
+                self.bias.zero_()
+            if parallel_mode == "column":
+                set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            elif self.sequence_parallel:
+                self.bias.sequence_parallel = True  # its gradient is summed over the TP ranks
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters():
+            param.allreduce = not (is_expert and expert_parallel)
+            if parallel_mode == "duplicated" and not is_expert:
+                param.sequence_parallel = bool(config.sequence_parallel)
+
+    def _empty(self, *shape: int) -> torch.Tensor:
+        device = None if self.config.use_cpu_initialization else torch.cuda.current_device()
+        return torch.empty(*shape, device=device, dtype=self.config.params_dtype)
+
+    def _make_weight(self, input_size, output_size, init_method, tp_size, rank, stride) -> None:
+        self.weight = nn.Parameter(self._empty(self.out_features, self.in_features))
+        if not self.config.perform_initialization:
+            return
+        dim = 1 if self.parallel_mode == "row" else 0
+        if self.parallel_mode == "duplicated":
+            with torch.no_grad():
+                init_method(self.weight)
+        elif self.config.use_cpu_initialization:
+            _initialize_affine_weight_cpu(
+                self.weight,
+                output_size,
+                input_size,
+                self.in_features if dim else self.out_features,
+                dim,
+                init_method,
+                stride=stride,
+                params_dtype=self.config.params_dtype,
+                rank=rank,
+                world_size=tp_size,
+            )
+        else:
+            _initialize_affine_weight_gpu(self.weight, init_method, dim, stride, is_expert=self.is_expert)
+
+    def _fp8_weight(self) -> QuantizedTensor | torch.Tensor:
+        """The weight's FP8 copies, made once per weight update while ``is_first_microbatch`` is not None."""
+        if self.is_first_microbatch is None or torch.compiler.is_compiling():
+            return self.weight
+        key = (self.weight._version, self.weight.data_ptr())
+        if self.is_first_microbatch or self._weight_cache is None or self._weight_cache[:2] != key:
+            self._weight_cache = (*key, quantize_weight(self.weight, self.quant_config))
+        return self._weight_cache[2]
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        accum = "megatron" if self.config.gradient_accumulation_fusion and self.weight.requires_grad else None
+        if self.quant_config is None:
+            out = gemm(x2d, self.weight, trans_b=True, fuse_bgrad_accum_pattern=accum)
+        else:
+            out = gemm_fp8(
+                x2d,
+                self._fp8_weight(),
+                trans_b=True,
+                config=self.quant_config,
+                fuse_bgrad_accum_pattern=accum,
+            )
+        self.is_first_microbatch = False if self.is_first_microbatch is not None else None
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.communicates or self.parallel_mode != "column":
+            return x
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=True, group=self._tp_group
+            )
+        return copy_to_tensor_model_parallel_region(x, group=self._tp_group)
+
+    def _reduce_output(self, out: torch.Tensor) -> torch.Tensor:
+        if not self.communicates or self.parallel_mode != "row":
+            return out
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, group=self._tp_group)
+        return reduce_from_tensor_model_parallel_region(out, group=self._tp_group)
+
+    def _finish(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self._reduce_output(out)
+        if self.bias is None:
+            return out, None
+        if self.skip_bias_add:
+            return out, self.bias
+        return out + self.bias, None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` [..., in] (the local sequence shard with sequence parallelism) -> ``(out, bias or None)``."""
+        return self._finish(self._matmul(self._gather_input(x)))
+
+    def finish_init(self, quantization_config: Any) -> None:
+        """Megatron's per-layer quantization override: Turbo reads FP8 from the model config only."""
+        if quantization_config is not None:
+            raise ValueError("per-layer quantization configs are not supported by Turbo linear layers")
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in backward (no delayed wgrad)."""
+
+    def _tp_axis_map(self) -> dict[str, int]:
+        return {}
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed-checkpoint shards under TE's names: split along the tensor-parallel axis."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            self._tp_axis_map(),
+            sharded_offsets,
+            tp_group=self._tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
+    def extra_repr(self) -> str:
+        fp8 = f", fp8={self.quant_config.granularity.name.lower()}" if self.quant_config else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, parallel_mode={self.parallel_mode}, "
+            f"sequence_parallel={self.sequence_parallel}{fp8}"
+        )
+
+
+class TurboColumnParallelLinear(TurboLinear):
+    """``TEColumnParallelLinear``'s contract: the output features split over the tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        gather_output: bool,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        stride: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        if gather_output:
+            raise ValueError(
+                "Turbo column-parallel linear layers do not gather their output (gather_output=True)"
+            )
+        super().__init__(
+            input_size,
+            output_size,
+            parallel_mode="column",
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            skip_weight_param_allocation=skip_weight_param_allocation,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            is_expert=is_expert,
+            tp_group=tp_group,
+            stride=stride,
+        )
+
+    def _tp_axis_map(self) -> dict[str, int]:
+        return {"weight": 0, "bias": 0}
+
+
+class TurboRowParallelLinear(TurboLinear):
+    """``TERowParallelLinear``'s contract: the input features split over the tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable[[torch.Tensor], Any],
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not input_is_parallel:
+            raise ValueError("Turbo row-parallel linear layers need input_is_parallel=True")
+        super().__init__(
+            input_size,
+            output_size,
+            parallel_mode="row",
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            is_expert=is_expert,
+            tp_group=tp_group,
+        )
+
+    def _tp_axis_map(self) -> dict[str, int]:
+        return {"weight": 1}
+
+
+class TurboLayerNormColumnParallelLinear(TurboColumnParallelLinear):
+    """``TELayerNormColumnParallelLinear``'s contract: RMSNorm (Turbo kernel) or LayerNorm over the local
+    sequence shard, then the column-parallel GEMM; the norm's parameters are ``layer_norm_weight`` and,
+    for LayerNorm, ``layer_norm_bias``."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization must be RMSNorm or LayerNorm, got {config.normalization!r}")
+        self.normalization, self.eps = config.normalization, float(config.layernorm_epsilon)
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+        fill = 0.0 if self.zero_centered else 1.0
+        self.layer_norm_weight = nn.Parameter(self._empty(input_size).fill_(fill))
+        self.layer_norm_bias = None
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(self._empty(input_size).zero_())
+        for param in (self.layer_norm_weight, self.layer_norm_bias):
+            if param is not None:
+                param.sequence_parallel = bool(config.sequence_parallel)  # summed over the TP ranks
+                param.allreduce = True
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalization == "RMSNorm":
+            return rmsnorm(x, self.layer_norm_weight, self.eps, self.zero_centered)
+        weight = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight
+        return F.layer_norm(x, (x.shape[-1],), weight, self.layer_norm_bias, self.eps)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._finish(self._matmul(self._gather_input(self._norm(x))))
+
+    def _tp_axis_map(self) -> dict[str, int]:
+        return {"weight": 0, "bias": 0}
+
+    def extra_repr(self) -> str:
+        return f"{self.normalization}, " + super().extra_repr()

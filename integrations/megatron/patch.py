@@ -1,0 +1,134 @@
+"""``apply_primus_turbo_to_megatron``: put Turbo into Megatron-Core in place, so model-building code written
+for Megatron (``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_decoder_block_spec``, the flex
+token dispatcher) builds Turbo modules without edits. Idempotent and reversible."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from primus_turbo.integrations.megatron.compat import check_supported_version
+from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
+from primus_turbo.integrations.megatron.spec_provider import (
+    TurboSpecProvider,
+    bound_names,
+    set_active_features,
+    spec_bindings,
+)
+from primus_turbo.integrations.megatron.token_dispatcher import TurboFlexTokenDispatcher
+
+from primus_turbo.pytorch.core.backend import GlobalBackendManager, parse_backend_spec
+
+__all__ = ["TurboPatch", "apply_primus_turbo_to_megatron", "remove_primus_turbo_from_megatron"]
+
+_log = logging.getLogger(__name__)
+
+_DISPATCHER_SITES = (
+    ("megatron.core.transformer.moe.moe_layer", "MoEFlexTokenDispatcher"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEFlexTokenDispatcher"),
+)
+_BACKEND_OPS = {
+    "turbo_gemm_backend": "gemm",
+    "turbo_grouped_gemm_backend": "grouped_gemm",
+    "turbo_attention_backend": "attn",
+    "turbo_dispatch_backend": "moe_dispatch_combine",
+}
+
+
+@dataclass
+class TurboPatch:
+    """What one ``apply_primus_turbo_to_megatron`` call changed; ``undo()`` puts it all back."""
+
+    features: ResolvedTurbo
+    _names: Any = None
+    _config_changes: list[tuple[Any, str, Any]] = field(default_factory=list)
+    _backend_ops: list[str] = field(default_factory=list)
+    _auto_tune: bool = False
+    active: bool = True
+
+    def undo(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self._names is not None:
+            self._names.__exit__(None, None, None)
+        for target, name, old in reversed(self._config_changes):
+            setattr(target, name, old)
+        for op in self._backend_ops:
+            GlobalBackendManager.set_backend(op, None)
+        if self._auto_tune:
+            GlobalBackendManager.set_auto_tune(None)
+        TurboFlexTokenDispatcher.num_worst_tokens = 0
+        set_active_features(None)
+        if _applied and _applied[0] is self:
+            _applied.clear()
+
+
+_applied: list[TurboPatch] = []
+
+
+def _set_backends(turbo: PrimusTurboConfig, patch: TurboPatch) -> None:
+    for name, op in _BACKEND_OPS.items():
+        spec = getattr(turbo, name)
+        if not spec:
+            continue
+        for precision, choice in parse_backend_spec(spec, name, op != "moe_dispatch_combine").items():
+            GlobalBackendManager.set_backend(op, choice.backend, precision, auto_tune=choice.auto_tune)
+        patch._backend_ops.append(op)
+    if turbo.use_turbo_autotune:
+        GlobalBackendManager.set_auto_tune(True)
+        patch._auto_tune = True
+
+
+def apply_primus_turbo_to_megatron(
+    config: PrimusTurboConfig | argparse.Namespace, megatron_config: Any = None
+) -> TurboPatch:
+    """Fill Megatron's Transformer-Engine slots with Turbo modules for the features ``config`` enables.
+
+    ``config`` is a ``PrimusTurboConfig`` or Megatron-LM's parsed arguments (with
+    ``add_primus_turbo_args``); ``megatron_config`` (a ``TransformerConfig`` or the same namespace, which is
+    the default) decides which features the model can use and is checked for contradictions. With the
+    Turbo dispatcher on, its ``moe_token_dispatcher_type`` becomes ``"flex"``. A second call replaces the
+    first; ``undo()`` (or ``remove_primus_turbo_from_megatron()``) restores everything.
+    """
+    check_supported_version()
+    if isinstance(config, PrimusTurboConfig):
+        turbo = config
+    else:
+        turbo = PrimusTurboConfig.from_args(config)
+        megatron_config = config if megatron_config is None else megatron_config
+    if megatron_config is None:
+        raise ValueError("megatron_config (a TransformerConfig or Megatron-LM's args) is required")
+    features = resolve(turbo, megatron_config)
+    remove_primus_turbo_from_megatron()
+    patch = TurboPatch(features)
+    if not turbo.enable_primus_turbo:
+        patch.active = False
+        return patch
+    bindings = spec_bindings(features)
+    if features.deepep:
+        bindings.update({site: TurboFlexTokenDispatcher for site in _DISPATCHER_SITES})
+        if megatron_config.moe_token_dispatcher_type != "flex":
+            patch._config_changes.append(
+                (megatron_config, "moe_token_dispatcher_type", megatron_config.moe_token_dispatcher_type)
+            )
+            megatron_config.moe_token_dispatcher_type = "flex"
+    patch._names = bound_names(bindings)
+    patch._names.__enter__()
+    TurboFlexTokenDispatcher.num_worst_tokens = features.num_worst_tokens
+    set_active_features(features)
+    _set_backends(turbo, patch)
+    _applied[:] = [patch]
+    slots = TurboSpecProvider(features).describe()
+    if features.deepep:
+        slots["token_dispatcher"] = TurboFlexTokenDispatcher.__name__
+    _log.info("%s; %s", features.describe(), ", ".join(f"{k} <- {v}" for k, v in slots.items()))
+    return patch
+
+
+def remove_primus_turbo_from_megatron() -> None:
+    """Undo the active ``apply_primus_turbo_to_megatron`` (a no-op when none is active)."""
+    if _applied:
+        _applied[0].undo()

@@ -1,0 +1,89 @@
+"""``TurboFlexTokenDispatcher``: Megatron's flex token-dispatcher slot over ``primus_turbo.pytorch.deep_ep``.
+
+It keeps Megatron's six-step dispatcher contract and, like Megatron's flex dispatcher, talks over one
+group spanning the expert-tensor-parallel and expert-parallel ranks: each token goes to every TP rank of
+the expert's EP rank, and the combine sums the TP ranks' partial expert outputs back into the token.
+Token counts stay on the GPU; with ``turbo_num_worst_tokens`` the receive buffers have a fixed size and
+nothing waits for the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from primus_turbo.pytorch.modules import DeepEPTokenDispatcher
+
+__all__ = ["TurboFlexTokenDispatcher"]
+
+
+class TurboFlexTokenDispatcher(MoETokenDispatcher):
+    """``MoEFlexTokenDispatcher(num_local_experts, local_expert_indices, config, pg_collection)``.
+
+    ``num_worst_tokens`` (class attribute, set by ``apply_primus_turbo_to_megatron``) fixes the receive
+    size for sync-free dispatch.
+    """
+
+    num_worst_tokens = 0
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config: Any,
+        pg_collection: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if config.moe_pad_expert_input_to_capacity:
+            raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
+        self.num_local_experts, self.local_expert_indices = num_local_experts, local_expert_indices
+        world = self.tp_size * self.ep_size
+        pad = 0
+        if getattr(config, "moe_router_padding_for_quantization", False) or getattr(
+            config, "moe_router_padding_for_fp8", False
+        ):
+            pad = 32 if getattr(config, "fp8_recipe", None) == "mxfp8" else 16
+        self._dispatcher = DeepEPTokenDispatcher(
+            num_experts=world * num_local_experts,
+            router_topk=self.tp_size * config.moe_router_topk,
+            ep_group=self.tp_ep_group,
+            pad_multiple=pad,
+            num_worst_tokens=self.num_worst_tokens,
+        )
+        self.hidden_shape: torch.Size | None = None
+
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        raise ValueError("the Turbo dispatcher cannot overlap shared experts (moe_shared_expert_overlap)")
+
+    def _expand(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, E] -> [T, EP * TP * local]: the same experts repeated for each TP rank of their EP rank."""
+        tokens = t.shape[0]
+        t = t.reshape(tokens, self.ep_size, 1, self.num_local_experts)
+        return t.expand(-1, -1, self.tp_size, -1).reshape(tokens, -1)
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.hidden_shape = hidden_states.shape
+        self._routing_map = self._expand(routing_map)
+        return hidden_states.reshape(-1, hidden_states.shape[-1]), self._expand(probs)
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, *args: Any, **kwargs: Any):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Dispatch and permute in one step: -> (expert input, tokens per local expert, row probs)."""
+        routing_map, self._routing_map = self._routing_map, None
+        return self._dispatcher.token_dispatch(hidden_states, probs, routing_map)
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._dispatcher.token_combine(hidden_states)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.view(self.hidden_shape)
