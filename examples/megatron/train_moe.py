@@ -1,0 +1,320 @@
+"""Train a mixture-of-experts GPT with Megatron-Core and ``--enable-primus-turbo`` on synthetic data.
+
+Builds the model the way Megatron-LM's ``pretrain_gpt`` does (``get_gpt_decoder_block_spec`` with the
+Transformer-Engine layer spec), after ``apply_primus_turbo_to_megatron`` has put Turbo modules into those
+slots; prints which class fills each slot, the per-step loss and tokens/s. ``--compare`` also trains
+Megatron's local spec from the same initial weights on the same data and prints both side by side.
+
+Without a GPU it trains a tiny model over 2 gloo processes with expert parallelism 2 (the portable
+dispatch backend); with GPUs, ``--size small`` is a realistic small model (hidden 2048, 8 layers, 16
+experts top-2, sequence 4096) on ``--nproc`` GPUs.
+
+    python examples/megatron/train_moe.py                      # CPU: tiny, 2 processes, EP 2
+    python examples/megatron/train_moe.py --size small --nproc 1 --compare --enable-primus-turbo
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from primus_turbo.integrations.megatron import add_primus_turbo_args, apply_primus_turbo_to_megatron
+
+SIZES = {
+    "tiny": dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=4,
+        moe_router_topk=2, moe_ffn_hidden_size=64, seq=64, vocab=256, batch=2,
+    ),
+    "small": dict(
+        num_layers=8, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632, num_moe_experts=16,
+        moe_router_topk=2, moe_ffn_hidden_size=1408, seq=4096, vocab=32768, batch=1,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class StepLog:
+    """One training step: loss and the forward+backward time (the optimizer step is not timed)."""
+
+    step: int
+    loss: float
+    fwd_bwd_s: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    gpu = torch.cuda.is_available()
+    parser.add_argument("--size", choices=sorted(SIZES), default="small" if gpu else "tiny")
+    parser.add_argument("--nproc", type=int, default=1 if gpu else 2, help="processes (GPUs)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the tokens/s median")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--compare", action="store_true", help="also train Megatron's local spec")
+    parser.add_argument("--local-only", action="store_true", help="train only Megatron's local spec")
+    parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None)
+    parser.add_argument(
+        "--fp8-recipe", choices=["tensorwise", "blockwise", "mxfp8", "delayed"], default="delayed"
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
+    parser.add_argument("--csv", default=None, help="write per-step rows here")
+    add_primus_turbo_args(parser)
+    args = parser.parse_args(argv)
+    if not args.local_only:
+        args.enable_primus_turbo = True  # the example's point: implied unless --local-only
+    return args
+
+
+def transformer_kwargs(args: argparse.Namespace) -> dict:
+    """``TransformerConfig`` fields for ``--size`` (SwiGLU, RMSNorm, bf16, no dropout, no biases)."""
+    size = {k: v for k, v in SIZES[args.size].items() if k not in ("seq", "vocab", "batch")}
+    ep = args.nproc // args.tp
+    return dict(
+        size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=args.tp,
+        sequence_parallel=args.tp > 1,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=True,
+        moe_aux_loss_coeff=1e-2,
+        moe_router_load_balancing_type="aux_loss",
+        moe_router_dtype="fp32",
+        fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe,
+    )
+
+
+def synthetic_batch(step: int, rank: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
+    """Learnable token sequences: each token a fixed affine map of the one before, 10% noise."""
+    size = SIZES[args.size]
+    vocab, seq, batch = size["vocab"], size["seq"], size["batch"]
+    gen = torch.Generator().manual_seed(args.seed * 1000003 + step * 101 + rank)
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+    for t in range(1, seq + 1):
+        tokens[:, t] = (tokens[:, t - 1] * 5 + 3) % vocab
+    noise = torch.rand(batch, seq + 1, generator=gen) < 0.1
+    tokens[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=gen)
+    return tokens.to(device)
+
+
+def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> torch.nn.Module:
+    """A ``GPTModel`` from Megatron's TE spec builder (Turbo slots once patched), or its local spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = transformer_kwargs(args)
+    if turbo:
+        patch_args = argparse.Namespace(**{**vars(args), **kwargs})
+        apply_primus_turbo_to_megatron(
+            patch_args
+        )  # before the config: it answers Megatron's TE gates for FP8
+        kwargs["moe_token_dispatcher_type"] = patch_args.moe_token_dispatcher_type
+    else:
+        kwargs.update(fp8=None, moe_grouped_gemm=False)
+    config = TransformerConfig(**kwargs)
+    if turbo:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
+    size = SIZES[args.size]
+    model = GPTModel(config, spec, vocab_size=size["vocab"], max_sequence_length=size["seq"])
+    if args.compile:
+        for layer in model.decoder.layers:
+            layer.compile()
+    return Float16Module(config, model).to(device)
+
+
+def _reduce_grads(model: torch.nn.Module) -> None:
+    """Data-parallel gradient mean (experts over the expert-data-parallel group) and the sum of
+    sequence-parallel norm gradients over the TP group: what Megatron's DDP and finalize_model_grads do."""
+    from megatron.core import parallel_state as ps
+
+    dp, edp, tp = (
+        ps.get_data_parallel_group(),
+        ps.get_expert_data_parallel_group(),
+        ps.get_tensor_model_parallel_group(),
+    )
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        if getattr(param, "sequence_parallel", False) and dist.get_world_size(tp) > 1:
+            dist.all_reduce(param.grad, group=tp)
+        group = dp if getattr(param, "allreduce", True) else edp
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(param.grad, group=group)
+            param.grad /= dist.get_world_size(group)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device) -> list[StepLog]:
+    """``args.steps`` Adam steps on the synthetic data of this data-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    data_rank = ps.get_data_parallel_rank()
+    seq = SIZES[args.size]["seq"]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
+    position_ids = torch.arange(seq, device=device)[None]
+    logs = []
+    for step in range(args.steps):
+        tokens = synthetic_batch(step, data_rank, args, device)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        _sync(device)
+        start = time.perf_counter()
+        loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
+        loss.backward()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        _reduce_grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        logs.append(StepLog(step, mean_loss.item() / dist.get_world_size(), elapsed))
+    return logs
+
+
+def tokens_per_s(logs: list[StepLog], args: argparse.Namespace) -> float:
+    size = SIZES[args.size]
+    timed = [log.fwd_bwd_s for log in logs[args.warmup :]] or [log.fwd_bwd_s for log in logs]
+    return size["seq"] * size["batch"] * (args.nproc // args.tp) / statistics.median(timed)
+
+
+def _describe(model: torch.nn.Module) -> str:
+    layer = model.module.decoder.layers[0]
+    attn, mlp = layer.self_attention, layer.mlp
+    slots = {
+        "linear_qkv": attn.linear_qkv,
+        "core_attention": attn.core_attention,
+        "linear_proj": attn.linear_proj,
+        "pre_mlp_layernorm": layer.pre_mlp_layernorm,
+        "experts": getattr(mlp, "experts", mlp),
+        "token_dispatcher": getattr(mlp, "token_dispatcher", None),
+        "final_layernorm": model.module.decoder.final_layernorm,
+    }
+    return "\n".join(f"  {slot:18s} {type(module).__name__}" for slot, module in slots.items())
+
+
+def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        from primus_turbo.integrations.megatron.cpu import enable_megatron_on_cpu
+
+        enable_megatron_on_cpu()
+        device = torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=args.nproc
+    )
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(args.tp, expert_model_parallel_size=args.nproc // args.tp)
+    runs = []
+    if args.compare or args.local_only:
+        runs.append("local")
+    if not args.local_only:
+        runs.append("turbo")
+    models, results = {}, {}
+    for name in runs:
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        models[name] = build_model(args, name != "local", device)
+    if "local" in models and len(models) > 1:
+        from primus_turbo.integrations.megatron.state_dict import local_to_te_state_dict
+
+        other = models[runs[-1]]
+        other.module.load_state_dict(
+            local_to_te_state_dict(models["local"].module.state_dict(), other.module.state_dict().keys()),
+            strict=False,
+        )
+    for name in runs:
+        if rank == 0:
+            ep = args.nproc // args.tp
+            print(f"[{name}] {args.size} model, {args.nproc} process(es), TP {args.tp}, EP {ep}")
+            print(_describe(models[name]), flush=True)
+        results[name] = train(models[name], args, rank, device)
+    if rank == 0:
+        _report(results, args)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it
+
+
+def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None:
+    names = list(results)
+    print("step " + " ".join(f"{n + ' loss':>12s} {n + ' tok/s':>12s}" for n in names))
+    size = SIZES[args.size]
+    tokens = size["seq"] * size["batch"] * (args.nproc // args.tp)
+    for i in range(args.steps):
+        print(
+            f"{i:4d} "
+            + " ".join(f"{results[n][i].loss:12.4f} {tokens / results[n][i].fwd_bwd_s:12.0f}" for n in names)
+        )
+    rates = {n: tokens_per_s(results[n], args) for n in names}
+    print("median tokens/s (fwd+bwd): " + ", ".join(f"{n} {r:,.0f}" for n, r in rates.items()))
+    if len(names) == 2:
+        a, b = names
+        gap = abs(results[b][-1].loss - results[a][-1].loss) / results[a][-1].loss
+        print(f"{b} / {a}: {rates[b] / rates[a]:.2f}x tokens/s; final loss {results[b][-1].loss:.4f} vs "
+              f"{results[a][-1].loss:.4f} ({gap:.2%} apart)")  # fmt: skip
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["run", "step", "loss", "fwd_bwd_ms", "tokens_per_s"])
+            for n in names:
+                for log in results[n]:
+                    rate = tokens / log.fwd_bwd_s
+                    writer.writerow(
+                        [n, log.step, f"{log.loss:.6f}", f"{log.fwd_bwd_s * 1e3:.3f}", f"{rate:.1f}"]
+                    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(args, os.path.join(folder, "store")), nprocs=args.nproc, join=True)
+    print(f"done in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
