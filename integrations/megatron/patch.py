@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.core.extensions.transformer_engine import HAVE_TE
 from primus_turbo.integrations.megatron.compat import check_supported_version
 from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
 from primus_turbo.integrations.megatron.spec_provider import (
@@ -29,6 +30,9 @@ _DISPATCHER_SITES = (
     ("megatron.core.transformer.moe.moe_layer", "MoEFlexTokenDispatcher"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEFlexTokenDispatcher"),
 )
+# megatron-core's TransformerConfig checks these Transformer-Engine versions for MoE FP8 training; when TE
+# is not installed and Turbo runs every FP8 GEMM, the checks are about a library that is not in use
+_FP8_MOE_TE_GATES = ("1.7.0.dev0", "1.11.0")
 _BACKEND_OPS = {
     "turbo_gemm_backend": "gemm",
     "turbo_grouped_gemm_backend": "grouped_gemm",
@@ -67,6 +71,18 @@ class TurboPatch:
 
 
 _applied: list[TurboPatch] = []
+
+
+def _te_gate_without_te() -> Any:
+    """``is_te_min_version`` for ``transformer_config`` that passes the MoE FP8 gates and defers the rest."""
+    from megatron.core.transformer import transformer_config
+
+    original = transformer_config.is_te_min_version
+
+    def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+        return True if version in _FP8_MOE_TE_GATES else original(version, check_equality)
+
+    return is_te_min_version
 
 
 def _set_backends(turbo: PrimusTurboConfig, patch: TurboPatch) -> None:
@@ -115,6 +131,10 @@ def apply_primus_turbo_to_megatron(
                 (megatron_config, "moe_token_dispatcher_type", megatron_config.moe_token_dispatcher_type)
             )
             megatron_config.moe_token_dispatcher_type = "flex"
+    if features.fp8 is not None and not HAVE_TE:
+        bindings[("megatron.core.transformer.transformer_config", "is_te_min_version")] = (
+            _te_gate_without_te()
+        )
     patch._names = bound_names(bindings)
     patch._names.__enter__()
     TurboFlexTokenDispatcher.num_worst_tokens = features.num_worst_tokens
