@@ -39,6 +39,10 @@
 #   EP=1                the multi-process tests (NCCL), then dispatch / combine across every visible GPU on the
 #                       TORCH and TURBO backends against Megatron's all-to-all path, bf16 and FP8
 #                       (bench_moe_dispatch.py; needs 2+ GPUs)
+#   E2E=1               Megatron MoE GPT training throughput, Turbo against the local spec (benchmark/e2e;
+#                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_NPROC, default 1)
+#   MEGATRON=1          install the carried megatron-core wheel (.whl/, name .whl in carry) into /tmp/site first
+#                       (implied by E2E=1); the integration tests then run against it
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -68,6 +72,12 @@ fi
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.txt"
+
+if [ "${MEGATRON:-0}" = 1 ] || [ "${E2E:-0}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -n 1 | tee -a "$OUT/env.txt"
+fi
 
 status=0
 make env 2>&1 | tail -n 40 | tee "$OUT/build.log" || status=1
@@ -179,6 +189,11 @@ if [ "${EP:-0}" = 1 ]; then
         | tee "$OUT/bench_moe_dispatch_${backend}_$dtype.log" || status=1
     done
   done
+fi
+if [ "${E2E:-0}" = 1 ]; then
+  timeout "${E2E_TIMEOUT:-540}" .venv/bin/python -m benchmark.e2e.bench_megatron_moe --nproc "${E2E_NPROC:-1}" \
+    --steps "${E2E_STEPS:-50}" ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} -o "$OUT/megatron_moe.csv" 2>&1 \
+    | tee "$OUT/bench_megatron_moe.log" || status=1
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

@@ -4,7 +4,7 @@ It keeps Megatron's six-step dispatcher contract and, like Megatron's flex dispa
 group spanning the expert-tensor-parallel and expert-parallel ranks: each token goes to every TP rank of
 the expert's EP rank, and the combine sums the TP ranks' partial expert outputs back into the token.
 Token counts stay on the GPU; with ``turbo_num_worst_tokens`` the receive buffers have a fixed size and
-nothing waits for the host.
+nothing waits for the host. On one rank there is nothing to move: the tokens are only permuted.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from primus_turbo.pytorch.modules import DeepEPTokenDispatcher
+from primus_turbo.pytorch.ops.moe import moe_permute, moe_unpermute
 
 __all__ = ["TurboFlexTokenDispatcher"]
 
@@ -41,19 +42,16 @@ class TurboFlexTokenDispatcher(MoETokenDispatcher):
             raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
         self.num_local_experts, self.local_expert_indices = num_local_experts, local_expert_indices
         world = self.tp_size * self.ep_size
-        pad = 0
-        if getattr(config, "moe_router_padding_for_quantization", False) or getattr(
-            config, "moe_router_padding_for_fp8", False
-        ):
-            pad = 32 if getattr(config, "fp8_recipe", None) == "mxfp8" else 16
-        self._dispatcher = DeepEPTokenDispatcher(
-            num_experts=world * num_local_experts,
-            router_topk=self.tp_size * config.moe_router_topk,
-            ep_group=self.tp_ep_group,
-            pad_multiple=pad,
-            num_worst_tokens=self.num_worst_tokens,
-        )
+        self._dispatcher = None
+        if world > 1:
+            self._dispatcher = DeepEPTokenDispatcher(
+                num_experts=world * num_local_experts,
+                router_topk=self.tp_size * config.moe_router_topk,
+                ep_group=self.tp_ep_group,
+                num_worst_tokens=self.num_worst_tokens,
+            )
         self.hidden_shape: torch.Size | None = None
+        self._row_id_map: torch.Tensor | None = None
 
     def set_shared_experts(self, shared_experts: Any) -> None:
         raise ValueError("the Turbo dispatcher cannot overlap shared experts (moe_shared_expert_overlap)")
@@ -77,13 +75,27 @@ class TurboFlexTokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Dispatch and permute in one step: -> (expert input, tokens per local expert, row probs)."""
         routing_map, self._routing_map = self._routing_map, None
-        return self._dispatcher.token_dispatch(hidden_states, probs, routing_map)
+        if self._dispatcher is not None:
+            return self._dispatcher.token_dispatch(hidden_states, probs, routing_map)
+        # one rank: nothing to move; top-k routes per token bound the rows, so nothing waits for the host
+        rows = hidden_states.shape[0] * self.config.moe_router_topk
+        permuted, self._row_id_map, tokens_per_expert, permuted_probs, _ = moe_permute(
+            hidden_states,
+            routing_map,
+            probs,
+            num_local_experts=self.num_local_experts,
+            num_permuted_tokens=rows,
+        )
+        return permuted, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._dispatcher.token_combine(hidden_states)
+        if self._dispatcher is not None:
+            return self._dispatcher.token_combine(hidden_states)
+        row_id_map, self._row_id_map = self._row_id_map, None
+        return moe_unpermute(hidden_states, row_id_map)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.view(self.hidden_shape)

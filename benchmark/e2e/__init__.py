@@ -1,0 +1,1 @@
+"""Training-step throughput benchmarks (Megatron end to end)."""

@@ -1,0 +1,87 @@
+"""Megatron MoE GPT training throughput: Turbo against Megatron's local spec, in one run.
+
+Each variant runs ``examples/megatron/train_moe.py`` (its own processes) on the same synthetic data;
+the local spec starts from the same weights as the Turbo run it is compared with. Reports median
+forward+backward tokens/s, the ratio to the local spec, and the final-loss gap after ``--steps``.
+
+    python -m benchmark.e2e.bench_megatron_moe --nproc 1 --steps 50 -o megatron_moe.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "megatron" / "train_moe.py"
+VARIANTS = {
+    "turbo-bf16": ["--compare"],
+    "turbo-fp8-blockwise": ["--fp8", "e4m3", "--fp8-recipe", "blockwise"],
+    "turbo-bf16-compiled": ["--compile"],
+}
+
+
+def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path) -> dict[str, dict]:
+    """Run one variant; -> {run name: {"tokens_per_s": median, "final_loss": loss}}."""
+    steps_csv = folder / f"{variant}.csv"
+    command = [sys.executable, str(EXAMPLE), "--size", args.size, "--nproc", str(args.nproc), "--steps",
+               str(args.steps), "--warmup", str(args.warmup), "--csv", str(steps_csv), *extra]  # fmt: skip
+    print("$", " ".join(command), flush=True)
+    subprocess.run(
+        command,
+        check=True,
+        cwd=ROOT,
+        env=dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        ),
+    )
+    rows: dict[str, list[dict]] = {}
+    with open(steps_csv) as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(row["run"], []).append(row)
+    result = {}
+    for run, logs in rows.items():
+        rates = sorted(float(r["tokens_per_s"]) for r in logs[args.warmup :])
+        result[run] = {"tokens_per_s": rates[len(rates) // 2], "final_loss": float(logs[-1]["loss"])}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("-o", "--output", default="megatron_moe.csv")
+    args = parser.parse_args()
+    folder = Path(args.output).resolve().parent
+    results: dict[str, dict] = {}
+    for variant in args.variants.split(","):
+        for run, values in _run(variant, VARIANTS[variant], args, folder).items():
+            results["local" if run == "local" else variant] = values
+    base = results.get("local")
+    table = []
+    for name, values in results.items():
+        ratio = values["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        gap = abs(values["final_loss"] - base["final_loss"]) / base["final_loss"] if base else float("nan")
+        rate, loss = f"{values['tokens_per_s']:.0f}", f"{values['final_loss']:.4f}"
+        table.append([name, args.nproc, rate, f"{ratio:.3f}", loss, f"{gap:.4f}"])
+    header = ["run", "gpus", "tokens_per_s", "vs_local", "final_loss", "loss_gap_vs_local"]
+    print(tabulate(table, headers=header))
+    with open(args.output, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(table)
+
+
+if __name__ == "__main__":
+    main()
