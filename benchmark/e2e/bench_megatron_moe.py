@@ -48,7 +48,8 @@ def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path)
     result = {}
     for run, logs in rows.items():
         rates = sorted(float(r["tokens_per_s"]) for r in logs[args.warmup :])
-        result[run] = {"tokens_per_s": rates[len(rates) // 2], "final_loss": float(logs[-1]["loss"])}
+        tail = [float(r["loss"]) for r in logs[-10:]]  # one batch's loss is noisy: the last 10 steps' mean
+        result[run] = {"tokens_per_s": rates[len(rates) // 2], "final_loss": sum(tail) / len(tail)}
     return result
 
 

@@ -44,6 +44,9 @@ SIZES = {
 }  # fmt: skip
 
 
+FINAL_STEPS = 10
+
+
 @dataclass
 class StepLog:
     """One training step: loss and the forward+backward time (the optimizer step is not timed)."""
@@ -207,6 +210,12 @@ def train(model: torch.nn.Module, args: argparse.Namespace, rank: int, device: t
     return logs
 
 
+def final_loss(logs: list[StepLog]) -> float:
+    """The loss at the end of training: the mean of the last steps (one batch's loss is noisy)."""
+    tail = logs[-FINAL_STEPS:]
+    return sum(log.loss for log in tail) / len(tail)
+
+
 def tokens_per_s(logs: list[StepLog], args: argparse.Namespace) -> float:
     size = SIZES[args.size]
     timed = [log.fwd_bwd_s for log in logs[args.warmup :]] or [log.fwd_bwd_s for log in logs]
@@ -293,9 +302,10 @@ def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None
     print("median tokens/s (fwd+bwd): " + ", ".join(f"{n} {r:,.0f}" for n, r in rates.items()))
     if len(names) == 2:
         a, b = names
-        gap = abs(results[b][-1].loss - results[a][-1].loss) / results[a][-1].loss
-        print(f"{b} / {a}: {rates[b] / rates[a]:.2f}x tokens/s; final loss {results[b][-1].loss:.4f} vs "
-              f"{results[a][-1].loss:.4f} ({gap:.2%} apart)")  # fmt: skip
+        loss_a, loss_b = final_loss(results[a]), final_loss(results[b])
+        gap = abs(loss_b - loss_a) / loss_a
+        print(f"{b} / {a}: {rates[b] / rates[a]:.2f}x tokens/s; final loss {loss_b:.4f} vs {loss_a:.4f} "
+              f"({gap:.2%} apart; mean of the last {FINAL_STEPS} steps)")  # fmt: skip
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)

@@ -176,8 +176,10 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
     attention = _feature(
         turbo,
         "use_turbo_attention",
-        cp == 1 and not _get(config, "multi_latent_attention", False),
-        "Turbo attention runs without context parallelism and multi-latent attention",
+        cp == 1
+        and not _get(config, "multi_latent_attention", False)
+        and not _get(config, "attention_dropout", 0.0),
+        "Turbo attention runs without context parallelism, multi-latent attention and attention dropout",
     )
     grouped = _feature(
         turbo,
@@ -218,6 +220,8 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
     if deepep and _get(config, "moe_pad_expert_input_to_capacity", False):
         raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
     fp8 = fp8_quant_config(config) if (gemm or grouped) else None
+    if fp8 is not None and grouped and fp8.granularity is ScalingGranularity.MX_BLOCKWISE:
+        raise ValueError("Turbo grouped GEMM has no mxfp8 path; use --fp8-recipe tensorwise or blockwise")
     if fp8 is not None and _get(config, "first_last_layers_bf16", False):
         raise ValueError("first_last_layers_bf16 is not supported with Turbo FP8 linears")
     return ResolvedTurbo(
