@@ -1,0 +1,61 @@
+"""Profile Turbo training steps of the example's MoE GPT on one GPU: wall time per step, GPU busy time,
+and the top kernels and host ops (torch.profiler). Tells host-bound from device-bound steps.
+
+    python scripts/profile_megatron_step.py --size small [--fp8 e4m3 --fp8-recipe blockwise] [--local-only]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "megatron" / "train_moe.py")
+train_moe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_moe)
+
+
+def main() -> None:
+    args = train_moe.parse_args(sys.argv[1:])
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group(
+            "nccl", init_method=f"file://{os.path.join(folder, 's')}", rank=0, world_size=1
+        )
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        ps.initialize_model_parallel(1)
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        device = torch.device("cuda", 0)
+        model = train_moe.build_model(args, not args.local_only, device)
+        args.steps = 5
+        train_moe.train(model, args, 0, device)  # warm up: compile, autotune, allocator
+        args.steps = 3
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            logs = train_moe.train(model, args, 0, device)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / args.steps
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events) / args.steps
+        fwd_bwd = sum(log.fwd_bwd_s for log in logs) / len(logs)
+        busy = gpu_us / 1e3
+        print(f"per step: wall {wall * 1e3:.1f} ms (fwd+bwd {fwd_bwd * 1e3:.1f} ms), GPU busy {busy:.1f} ms")
+        print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
