@@ -151,6 +151,9 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
     size = SIZES[args.size]
     model = GPTModel(config, spec, vocab_size=size["vocab"], max_sequence_length=size["seq"])
     if args.compile:
+        # each layer's integer attributes (layer_number) specialise Megatron's MoE logging: one graph a layer
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * config.num_layers)
         for layer in model.decoder.layers:
             layer.compile()
     return Float16Module(config, model).to(device)
