@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "megatron" / "train_moe.py")
 train_moe = importlib.util.module_from_spec(_spec)
+sys.modules["train_moe"] = train_moe  # dataclasses look their module up while the file executes
 _spec.loader.exec_module(train_moe)
 
 
