@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
 from primus_turbo.integrations.megatron import add_primus_turbo_args, apply_primus_turbo_to_megatron
 
 SIZES = {

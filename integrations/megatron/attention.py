@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
-from primus_turbo.integrations.megatron.linear import _ExtraState
 from torch import nn
 
+from primus_turbo.integrations.megatron.linear import _ExtraState
 from primus_turbo.pytorch.ops.attention import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["TurboDotProductAttention"]

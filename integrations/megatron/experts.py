@@ -12,10 +12,10 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
-from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.integrations.megatron.linear import _ExtraState
 from torch import nn
 
+from primus_turbo.integrations.megatron.config import fp8_quant_config
+from primus_turbo.integrations.megatron.linear import _ExtraState
 from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8, swiglu_with_probs
 
 __all__ = [

@@ -34,9 +34,9 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
-from primus_turbo.integrations.megatron.config import fp8_quant_config
 from torch import nn
 
+from primus_turbo.integrations.megatron.config import fp8_quant_config
 from primus_turbo.pytorch.core.low_precision import (
     Float8QuantConfig,
     ScalingGranularity,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.core.extensions.transformer_engine import HAVE_TE
+
 from primus_turbo.integrations.megatron.compat import check_supported_version
 from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
 from primus_turbo.integrations.megatron.spec_provider import (
@@ -19,7 +20,6 @@ from primus_turbo.integrations.megatron.spec_provider import (
     spec_bindings,
 )
 from primus_turbo.integrations.megatron.token_dispatcher import TurboFlexTokenDispatcher
-
 from primus_turbo.pytorch.core.backend import GlobalBackendManager, parse_backend_spec
 
 __all__ = ["TurboPatch", "apply_primus_turbo_to_megatron", "remove_primus_turbo_from_megatron"]

@@ -22,6 +22,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
 from primus_turbo.integrations.megatron.attention import TurboDotProductAttention
 from primus_turbo.integrations.megatron.compat import (
     call_with_supported_kwargs,
