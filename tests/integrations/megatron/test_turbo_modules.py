@@ -1,0 +1,260 @@
+"""The Turbo modules behind Megatron's Transformer-Engine slots, one at a time: constructor and return
+contracts, tensor-parallel sizing, fused weight-gradient accumulation, FP8 weight caching across
+micro-batches, the attention module's masks and packed sequences, and the clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_turbo.integrations.megatron.attention import TurboDotProductAttention
+from primus_turbo.integrations.megatron.experts import TurboColumnParallelGroupedLinear, TurboGroupedMLP
+from primus_turbo.integrations.megatron.linear import (
+    TurboColumnParallelLinear,
+    TurboLayerNormColumnParallelLinear,
+    TurboLinear,
+    TurboRowParallelLinear,
+)
+from primus_turbo.integrations.megatron.norm import TurboNorm, TurboRMSNorm
+from tests.integrations.megatron.megatron_harness import (
+    destroy_megatron,
+    init_megatron,
+    local_process_group,
+    tiny_config,
+    tiny_moe_config,
+)
+
+
+@pytest.fixture
+def megatron():
+    with local_process_group():
+        init_megatron()
+        try:
+            yield
+        finally:
+            destroy_megatron()
+
+
+def _init(w: torch.Tensor) -> None:
+    torch.nn.init.normal_(w, std=0.02)
+
+
+def _column(config, **kw) -> TurboColumnParallelLinear:
+    args = dict(config=config, init_method=_init, gather_output=False, bias=False, skip_bias_add=False)
+    return TurboColumnParallelLinear(64, 96, **{**args, "is_expert": False, **kw})
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def test_linear_contract_and_names(megatron):
+    config = tiny_config(add_bias_linear=True)
+    layer = _column(
+        config, bias=True, skip_bias_add=True, tp_comm_buffer_name="qkv", name="x", pg_collection=None
+    )
+    layer = layer.to(_device())
+    x = torch.randn(5, 2, 64, dtype=torch.bfloat16, device=_device())
+    out, bias = layer(x)
+    assert out.shape == (5, 2, 96) and bias is layer.bias
+    ref = x.float() @ layer.weight.float().t()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    layer.skip_bias_add = False
+    out, bias = layer(x)
+    assert bias is None
+    torch.testing.assert_close(out.float(), ref + layer.bias.float(), rtol=1e-2, atol=1e-2)
+    assert set(layer.state_dict()) == {"weight", "bias", "_extra_state"}
+
+
+def test_layernorm_linear_matches_norm_then_linear(megatron):
+    config = tiny_config()
+    layer = TurboLayerNormColumnParallelLinear(
+        64,
+        96,
+        config=config,
+        init_method=_init,
+        gather_output=False,
+        bias=False,
+        skip_bias_add=False,
+        is_expert=False,
+    ).to(_device())
+    with torch.no_grad():
+        layer.layer_norm_weight.uniform_(0.5, 1.5)
+    x = torch.randn(7, 64, dtype=torch.bfloat16, device=_device(), requires_grad=True)
+    out, _ = layer(x)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon)
+    ref = (normed * layer.layer_norm_weight.float()) @ layer.weight.float().t()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    assert set(layer.state_dict()) == {"weight", "layer_norm_weight", "_extra_state"}
+    out.float().sum().backward()
+    assert layer.layer_norm_weight.grad is not None and x.grad is not None
+
+
+def test_bad_constructor_arguments_raise(megatron):
+    config = tiny_config()
+    with pytest.raises(ValueError, match="gather_output"):
+        _column(config, gather_output=True)
+    with pytest.raises(ValueError, match="input_is_parallel"):
+        TurboRowParallelLinear(
+            64,
+            64,
+            config=config,
+            init_method=_init,
+            bias=False,
+            input_is_parallel=False,
+            skip_bias_add=False,
+            is_expert=False,
+        )
+    with pytest.raises(ValueError, match="skip_weight_param_allocation"):
+        _column(config, skip_weight_param_allocation=True)
+    with pytest.raises(ValueError, match="parallel_mode"):
+        TurboLinear(
+            64,
+            64,
+            parallel_mode="diagonal",
+            config=config,
+            init_method=_init,
+            bias=False,
+            skip_bias_add=False,
+        )
+    with pytest.raises(ValueError, match="dropout"):
+        TurboDotProductAttention(tiny_config(attention_dropout=0.1), 1, _causal(), "self")
+
+
+def test_fused_wgrad_accumulates_into_main_grad(megatron):
+    layer = _column(tiny_config(gradient_accumulation_fusion=True)).to(_device())
+    layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=_device())
+    x = torch.randn(6, 64, dtype=torch.bfloat16, device=_device())
+    g = torch.randn(6, 96, dtype=torch.bfloat16, device=_device())
+    for _ in range(2):
+        out, _ = layer(x)
+        out.backward(g)
+    assert layer.weight.grad_added_to_main_grad
+    expected = 2 * (g.float().t() @ x.float())
+    torch.testing.assert_close(layer.weight.main_grad, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_weight_is_quantized_once_per_weight_update(megatron):
+    layer = _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise")).to(_device())
+    x = torch.randn(8, 64, dtype=torch.bfloat16, device=_device())
+    layer(x)
+    first = layer._weight_cache[2]
+    layer(x)
+    assert layer._weight_cache[2] is first  # a later micro-batch reuses the FP8 weight
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an optimizer step changes the weight in place
+    out, _ = layer(x)
+    assert layer._weight_cache[2] is not first
+    ref = x.float() @ layer.weight.float().t()
+    snr = 10 * torch.log10(ref.pow(2).sum() / (out.float() - ref).pow(2).sum())
+    assert snr > 25
+    layer.is_first_microbatch = True
+    layer(x)
+    assert layer._weight_cache[2] is not first
+
+
+def test_norm_factory(megatron):
+    assert isinstance(TurboNorm(tiny_config(), 64), TurboRMSNorm)
+    assert isinstance(TurboNorm(tiny_config(normalization="LayerNorm"), 64), torch.nn.LayerNorm)
+    with pytest.raises(ValueError, match="fused_residual_rmsnorm"):
+        config = tiny_config()
+        config.fused_residual_rmsnorm = True
+        TurboNorm(config, 64, has_residual=True)
+
+
+def _causal():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return AttnMaskType.causal
+
+
+def _reference_attention(q, k, v, causal):
+    """[s, b, h, d] fp32 softmax attention -> [s, b, h * d]."""
+    q, k, v = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    out = scores.softmax(-1) @ v
+    return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+
+def test_attention_sbhd_gqa(megatron):
+    config = tiny_config(num_query_groups=2)
+    attention = TurboDotProductAttention(config, 1, _causal(), "self")
+    s, b, d = 12, 2, 16
+    q = torch.randn(s, b, 4, d, dtype=torch.bfloat16, device=_device())
+    k, v = (torch.randn(s, b, 2, d, dtype=torch.bfloat16, device=_device()) for _ in range(2))
+    out = attention(q, k, v, None, None)
+    assert out.shape == (s, b, 4 * d)
+    torch.testing.assert_close(out.float(), _reference_attention(q, k, v, True), rtol=1e-2, atol=1e-2)
+
+
+def test_attention_packed_sequences(megatron):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    attention = TurboDotProductAttention(tiny_config(), 1, _causal(), "self")
+    lens, h, d = [5, 9], 4, 16
+    total = sum(lens)
+    q, k, v = (torch.randn(total, h, d, dtype=torch.bfloat16, device=_device()) for _ in range(3))
+    cu = torch.tensor([0, lens[0], total], dtype=torch.int32, device=_device())
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens)
+    )
+    out = attention(q, k, v, None, None, packed_seq_params=params)
+    assert out.shape == (total, h * d)
+    pieces = [
+        _reference_attention(*(t[a:e, None] for t in (q, k, v)), True)[:, 0]
+        for a, e in ((0, lens[0]), (lens[0], total))
+    ]
+    torch.testing.assert_close(out.float(), torch.cat(pieces), rtol=1e-2, atol=1e-2)
+
+
+def test_attention_rejects_what_it_cannot_do(megatron):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attention = TurboDotProductAttention(tiny_config(), 1, AttnMaskType.padding, "self")
+    q = torch.randn(4, 1, 4, 16, dtype=torch.bfloat16, device=_device())
+    with pytest.raises(ValueError, match="attention_mask"):
+        attention(q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.bool, device=_device()), None)
+    with pytest.raises(ValueError, match="attention_bias"):
+        attention(q, q, q, None, None, attention_bias=torch.zeros(1, device=_device()))
+    with pytest.raises(ValueError, match="causal and unmasked"):
+        attention(q, q, q, None, AttnMaskType.arbitrary)
+
+
+def test_grouped_linear_names_and_device_counts(megatron):
+    config = tiny_moe_config(moe_grouped_gemm=True)
+    fc1 = TurboColumnParallelGroupedLinear(
+        3,
+        64,
+        32,
+        config=config,
+        init_method=_init,
+        bias=False,
+        skip_bias_add=False,
+        is_expert=True,
+        name="fc1",
+    ).to(_device())
+    assert set(fc1.state_dict()) == {"weight0", "weight1", "weight2", "_extra_state"}
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 7], device=_device())
+    out, bias = fc1(x, counts)
+    assert bias is None
+    ref = torch.cat([x[:3].float() @ fc1.weight0.float().t(), x[3:].float() @ fc1.weight2.float().t()])
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    out_list, _ = fc1(x, [3, 0, 7])  # Megatron's host list form
+    torch.testing.assert_close(out_list, out)
+
+
+def test_grouped_mlp_applies_probs(megatron):
+    config = tiny_moe_config(moe_grouped_gemm=True)
+    experts = TurboGroupedMLP(2, config).to(_device())
+    x = torch.randn(6, 64, dtype=torch.bfloat16, device=_device())
+    probs = torch.rand(6, device=_device())
+    out, bias = experts(x, torch.tensor([4, 2]), probs)
+    assert out.shape == (6, 64) and bias is None
+    double, _ = experts(x, torch.tensor([4, 2]), 2 * probs)
+    torch.testing.assert_close(double.float(), 2 * out.float(), rtol=2e-2, atol=2e-2)
