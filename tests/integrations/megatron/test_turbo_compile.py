@@ -1,0 +1,154 @@
+"""torch.compile over the Turbo Megatron modules: a Llama-style block and a MoE block built from them compile
+with ``fullgraph=True`` (bf16 and FP8) and match eager; Megatron's ``TransformerLayer`` built with the
+Turbo spec compiles, and none of its graph breaks is in Turbo code."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primus_turbo.integrations.megatron import (
+    PrimusTurboConfig,
+    apply_primus_turbo_to_megatron,
+    get_gpt_layer_with_turbo_spec,
+)
+from primus_turbo.integrations.megatron.attention import TurboDotProductAttention
+from primus_turbo.integrations.megatron.experts import TurboGroupedMLPWithFusedAct
+from primus_turbo.integrations.megatron.linear import (
+    TurboLayerNormColumnParallelLinear,
+    TurboRowParallelLinear,
+)
+from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score, moe_permute, moe_unpermute
+from tests.integrations.megatron.megatron_harness import (
+    MOE_OVERRIDES,
+    destroy_megatron,
+    init_megatron,
+    local_process_group,
+    tiny_config,
+)
+
+BACKEND = "inductor" if torch.cuda.is_available() else "aot_eager"
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _init(w: torch.Tensor) -> None:
+    nn.init.normal_(w, std=0.05)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm attention and SwiGLU MLP, every op a Turbo module (as the Turbo spec builds them)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        h, ffn = config.hidden_size, config.ffn_hidden_size
+        common = dict(config=config, init_method=_init, bias=False, skip_bias_add=False, is_expert=False)
+        self.heads = config.num_attention_heads
+        self.qkv = TurboLayerNormColumnParallelLinear(h, 3 * h, gather_output=False, **common)
+        self.attention = TurboDotProductAttention(config, 1, _causal(), "self")
+        self.proj = TurboRowParallelLinear(h, h, input_is_parallel=True, **common)
+        self.fc1 = TurboLayerNormColumnParallelLinear(h, 2 * ffn, gather_output=False, **common)
+        self.fc2 = TurboRowParallelLinear(ffn, h, input_is_parallel=True, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        qkv, _ = self.qkv(x)
+        q, k, v = qkv.view(s, b, self.heads, 3 * h // self.heads).chunk(3, dim=-1)
+        attn, _ = self.proj(self.attention(q, k, v, None, None))
+        x = x + attn
+        gate, up = self.fc1(x)[0].chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)[0]
+
+
+class MoEBlock(nn.Module):
+    """RMSNorm-fused router input, Turbo's fused router, permute, Turbo grouped experts, unpermute."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.topk = config.moe_router_topk
+        self.experts_count = config.num_moe_experts
+        self.router = nn.Parameter(torch.randn(config.num_moe_experts, config.hidden_size) * 0.05)
+        self.experts = TurboGroupedMLPWithFusedAct(config.num_moe_experts, config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = tokens.float() @ self.router.float().t()
+        probs, routing_map, _ = fused_group_topk_routing_with_aux_score(logits, self.topk)
+        rows = tokens.shape[0] * self.topk
+        permuted, row_id_map, counts, permuted_probs, _ = moe_permute(
+            tokens, routing_map, probs, num_local_experts=self.experts_count, num_permuted_tokens=rows
+        )
+        out, _ = self.experts(permuted, counts, permuted_probs)
+        return x + moe_unpermute(out, row_id_map).view_as(x)
+
+
+def _causal():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return AttnMaskType.causal
+
+
+@pytest.fixture
+def megatron():
+    with local_process_group():
+        init_megatron()
+        try:
+            yield
+        finally:
+            destroy_megatron()
+            torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise"], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block", ["llama", "moe"])
+def test_turbo_blocks_compile_fullgraph_and_match_eager(megatron, block, fp8):
+    overrides = dict(fp8="e4m3", fp8_recipe=fp8) if fp8 else {}
+    if block == "moe":
+        fields = dict(MOE_OVERRIDES, moe_grouped_gemm=True, **overrides)
+        # megatron-core checks Transformer Engine's version for MoE FP8 configs; the patch answers for Turbo
+        megatron_args = types.SimpleNamespace(**fields, normalization="RMSNorm")
+        patch = apply_primus_turbo_to_megatron(PrimusTurboConfig(enable_primus_turbo=True), megatron_args)
+        try:
+            config = tiny_config(**fields)
+        finally:
+            patch.undo()
+        model = MoEBlock(config)
+    else:
+        config = tiny_config(**overrides)
+        model = LlamaBlock(config)
+    model = model.to(_device(), torch.bfloat16)
+    x = torch.randn(8, 2, config.hidden_size, device=_device(), dtype=torch.bfloat16, requires_grad=True)
+    eager = model(x)
+    eager.float().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    compiled = torch.compile(model, backend=BACKEND, fullgraph=True)
+    out = compiled(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+    for got, want in zip([p.grad for p in model.parameters()] + [x.grad], grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_megatron_layer_with_turbo_spec_has_no_break_in_turbo_code(megatron, moe):
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = tiny_config(**(dict(MOE_OVERRIDES, moe_grouped_gemm=True) if moe else {}))
+    spec = get_gpt_layer_with_turbo_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=moe)
+    layer = build_module(spec, config=config, layer_number=1).to(_device())
+    x = torch.randn(8, 2, config.hidden_size, device=_device(), dtype=torch.bfloat16)
+    explanation = torch._dynamo.explain(layer)(x, attention_mask=None)
+    for reason in explanation.break_reasons:
+        frames = [frame.filename for frame in reason.user_stack]
+        assert not any("primus_turbo" in f or "integrations/megatron" in f for f in frames), reason.reason
+    eager, _ = layer(x, attention_mask=None)
+    compiled, _ = torch.compile(layer, backend=BACKEND)(x, attention_mask=None)
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
