@@ -1,0 +1,1 @@
+"""Tests of the framework integrations (``primus_turbo.integrations``)."""

@@ -1,0 +1,1 @@
+"""Tests of the Megatron-Core integration and the harness that runs megatron-core on CPU or GPU."""
