@@ -1,4 +1,5 @@
-# `make test` builds .venv and runs the suite; `make demo` trains a small MLP with Turbo ops.
+# `make test` builds .venv and runs the suite; `make demo` trains a MoE GPT in Megatron-Core with
+# --enable-primus-turbo (on a CPU-only machine: a tiny model over 2 gloo processes, expert parallelism 2).
 # Where python3 already imports a CUDA/ROCm torch, the venv reuses it (system site packages) so GPU tests
 # run and the C++ extension is built; otherwise it installs the pinned CPU stack from requirements-cpu.txt.
 PYTHON ?= python3
@@ -40,7 +41,7 @@ format: env
 	$(PY) -m ruff format .
 
 demo: env
-	$(PY) examples/train_mlp.py
+	$(PY) examples/megatron/train_moe.py --compare
 
 bench: env
 	$(PY) -m benchmark.ops.training.bench_gemm_turbo --shapes full -o gemm_bench.csv
