@@ -88,6 +88,11 @@ class MoEBlock(nn.Module):
         return x + moe_unpermute(out, row_id_map).view_as(x)
 
 
+def _snr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return (10 * torch.log10(ref.pow(2).sum() / (x.float() - ref).pow(2).sum().clamp_min(1e-30))).item()
+
+
 def _causal():
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -132,9 +137,14 @@ def test_turbo_blocks_compile_fullgraph_and_match_eager(megatron, block, fp8):
     compiled = torch.compile(model, backend=BACKEND, fullgraph=True)
     out = compiled(x)
     out.float().sum().backward()
-    torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
-    for got, want in zip([p.grad for p in model.parameters()] + [x.grad], grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for got, want in zip(
+        [out] + [p.grad for p in model.parameters()] + [x.grad], [eager] + grads, strict=True
+    ):
+        if fp8:
+            # inductor fuses the bf16 elementwise ops between GEMMs, which moves some FP8 roundings
+            assert _snr_db(got, want) >= 25
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -142,8 +152,15 @@ def test_megatron_layer_with_turbo_spec_has_no_break_in_turbo_code(megatron, moe
     from megatron.core.transformer.spec_utils import build_module
 
     config = tiny_config(**(dict(MOE_OVERRIDES, moe_grouped_gemm=True) if moe else {}))
-    spec = get_gpt_layer_with_turbo_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=moe)
-    layer = build_module(spec, config=config, layer_number=1).to(_device())
+    patch = apply_primus_turbo_to_megatron(
+        PrimusTurboConfig(enable_primus_turbo=True), config
+    )  # Turbo dispatcher
+    try:
+        spec = get_gpt_layer_with_turbo_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=moe)
+        layer = build_module(spec, config=config, layer_number=1).to(_device())
+    finally:
+        patch.undo()
+    config.moe_token_dispatcher_type = "flex" if moe else config.moe_token_dispatcher_type
     x = torch.randn(8, 2, config.hidden_size, device=_device(), dtype=torch.bfloat16)
     explanation = torch._dynamo.explain(layer)(x, attention_mask=None)
     for reason in explanation.break_reasons:
