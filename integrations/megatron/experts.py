@@ -9,13 +9,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.integrations.megatron.linear import _ExtraState
+from primus_turbo.integrations.megatron.linear import _ExtraState, init_partitioned_weight
 from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8, swiglu_with_probs
 
 __all__ = [
@@ -75,20 +74,9 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
                 torch.empty(self.out_features, self.in_features, device=device, dtype=config.params_dtype)
             )
             if config.perform_initialization:
-                if config.use_cpu_initialization:
-                    _initialize_affine_weight_cpu(
-                        weight,
-                        output_size,
-                        input_size,
-                        self.in_features if dim else self.out_features,
-                        dim,
-                        init_method,
-                        params_dtype=config.params_dtype,
-                        rank=rank,
-                        world_size=tp_size,
-                    )
-                else:
-                    _initialize_affine_weight_gpu(weight, init_method, dim, is_expert=True)
+                init_partitioned_weight(
+                    weight, config, init_method, (output_size, input_size), dim, rank, tp_size, True
+                )
             self.register_parameter(f"weight{i}", weight)
             if bias:
                 b = nn.Parameter(torch.zeros(self.out_features, device=device, dtype=config.params_dtype))

@@ -51,6 +51,7 @@ __all__ = [
     "TurboLayerNormColumnParallelLinear",
     "TurboLinear",
     "TurboRowParallelLinear",
+    "init_partitioned_weight",
     "quantize_weight",
 ]
 
@@ -80,6 +81,38 @@ def quantize_weight(weight: torch.Tensor, config: Float8QuantConfig) -> Quantize
         data_t=q_t,
         scale_inv_t=s_t,
     )
+
+
+def init_partitioned_weight(
+    weight: torch.Tensor,
+    config: Any,
+    init_method: Callable[[torch.Tensor], Any],
+    full_shape: tuple[int, int],
+    dim: int,
+    rank: int,
+    tp_size: int,
+    is_expert: bool,
+    stride: int = 1,
+) -> None:
+    """Initialise this rank's shard (split along ``dim`` of the [out, in] ``full_shape``) as Megatron's
+    parallel linears do: from the full master weight on the host with ``use_cpu_initialization``, else on
+    the device under the model-parallel RNG tracker; both tag the tensor-parallel attributes."""
+    output_size, input_size = full_shape
+    if config.use_cpu_initialization:
+        _initialize_affine_weight_cpu(
+            weight,
+            output_size,
+            input_size,
+            weight.shape[dim],
+            dim,
+            init_method,
+            stride=stride,
+            params_dtype=config.params_dtype,
+            rank=rank,
+            world_size=tp_size,
+        )
+    else:
+        _initialize_affine_weight_gpu(weight, init_method, dim, stride, is_expert=is_expert)
 
 
 class _ExtraState:
@@ -160,25 +193,22 @@ class TurboLinear(_ExtraState, nn.Module):
         self.weight = nn.Parameter(self._empty(self.out_features, self.in_features))
         if not self.config.perform_initialization:
             return
-        dim = 1 if self.parallel_mode == "row" else 0
         if self.parallel_mode == "duplicated":
             with torch.no_grad():
                 init_method(self.weight)
-        elif self.config.use_cpu_initialization:
-            _initialize_affine_weight_cpu(
-                self.weight,
-                output_size,
-                input_size,
-                self.in_features if dim else self.out_features,
-                dim,
-                init_method,
-                stride=stride,
-                params_dtype=self.config.params_dtype,
-                rank=rank,
-                world_size=tp_size,
-            )
-        else:
-            _initialize_affine_weight_gpu(self.weight, init_method, dim, stride, is_expert=self.is_expert)
+            return
+        dim = 1 if self.parallel_mode == "row" else 0
+        init_partitioned_weight(
+            self.weight,
+            self.config,
+            init_method,
+            (output_size, input_size),
+            dim,
+            rank,
+            tp_size,
+            self.is_expert,
+            stride,
+        )
 
     def _fp8_weight(self) -> QuantizedTensor | torch.Tensor:
         """The weight's FP8 copies, made once per weight update while ``is_first_microbatch`` is not None."""

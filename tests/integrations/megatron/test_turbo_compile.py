@@ -25,9 +25,6 @@ from primus_turbo.integrations.megatron.linear import (
 from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score, moe_permute, moe_unpermute
 from tests.integrations.megatron.megatron_harness import (
     MOE_OVERRIDES,
-    destroy_megatron,
-    init_megatron,
-    local_process_group,
     tiny_config,
 )
 
@@ -97,17 +94,6 @@ def _causal():
     from megatron.core.transformer.enums import AttnMaskType
 
     return AttnMaskType.causal
-
-
-@pytest.fixture
-def megatron():
-    with local_process_group():
-        init_megatron()
-        try:
-            yield
-        finally:
-            destroy_megatron()
-            torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("fp8", [None, "tensorwise"], ids=["bf16", "fp8"])

@@ -17,22 +17,9 @@ from primus_turbo.integrations.megatron.linear import (
 )
 from primus_turbo.integrations.megatron.norm import TurboNorm, TurboRMSNorm
 from tests.integrations.megatron.megatron_harness import (
-    destroy_megatron,
-    init_megatron,
-    local_process_group,
     tiny_config,
     tiny_moe_config,
 )
-
-
-@pytest.fixture
-def megatron():
-    with local_process_group():
-        init_megatron()
-        try:
-            yield
-        finally:
-            destroy_megatron()
 
 
 def _init(w: torch.Tensor) -> None:
