@@ -23,6 +23,7 @@ EXAMPLE = ROOT / "examples" / "megatron" / "train_moe.py"
 VARIANTS = {
     "turbo-bf16": ["--compare"],
     "turbo-fp8-blockwise": ["--fp8", "e4m3", "--fp8-recipe", "blockwise"],
+    "turbo-fp8-tensorwise": ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"],
     "turbo-bf16-compiled": ["--compile"],
 }
 
