@@ -16,6 +16,7 @@ _FEATURE_HELP = {
     "use_turbo_deepep": "the expert-parallel (flex) token dispatcher over deep_ep.Buffer",
     "use_turbo_rms_norm": "RMSNorm layers, the final norm included",
     "use_turbo_fused_act_with_probs": "SwiGLU fused with the routing probabilities in the experts",
+    "use_turbo_fused_router": "the MoE router's score function and top-k as one kernel each way",
 }
 
 

@@ -33,6 +33,7 @@ FEATURES = (
     "use_turbo_deepep",
     "use_turbo_rms_norm",
     "use_turbo_fused_act_with_probs",
+    "use_turbo_fused_router",
 )
 _BACKEND_FIELDS = {
     "turbo_gemm_backend": "PRIMUS_TURBO_GEMM_BACKEND",
@@ -67,6 +68,7 @@ class PrimusTurboConfig:
     use_turbo_deepep: bool | None = None
     use_turbo_rms_norm: bool | None = None
     use_turbo_fused_act_with_probs: bool | None = None
+    use_turbo_fused_router: bool | None = None
     turbo_gemm_backend: str | None = None
     turbo_grouped_gemm_backend: str | None = None
     turbo_attention_backend: str | None = None
@@ -123,6 +125,7 @@ class ResolvedTurbo:
     deepep: bool = False
     rms_norm: bool = False
     fused_act_with_probs: bool = False
+    fused_router: bool = False
     fp8: Float8QuantConfig | None = None
     num_worst_tokens: int = 0
 
@@ -204,6 +207,12 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         grouped and swiglu,
         "it needs Turbo grouped GEMM experts with SwiGLU (--swiglu)",
     )
+    fused_router = _feature(
+        turbo,
+        "use_turbo_fused_router",
+        moe and _get(config, "moe_router_load_balancing_type", "aux_loss") != "sinkhorn",
+        "the model needs experts routed by top-k (not sinkhorn)",
+    )
     if _get(config, "tp_comm_overlap", False) and gemm:
         raise ValueError(
             "tp_comm_overlap (Transformer-Engine userbuffers) cannot run with Turbo linears; "
@@ -231,6 +240,7 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         deepep=deepep,
         rms_norm=rms_norm,
         fused_act_with_probs=fused_act,
+        fused_router=fused_router,
         fp8=fp8,
         num_worst_tokens=turbo.turbo_num_worst_tokens,
     )

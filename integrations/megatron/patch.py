@@ -5,6 +5,7 @@ token dispatcher) builds Turbo modules without edits. Idempotent and reversible.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from megatron.core.extensions.transformer_engine import HAVE_TE
 
 from primus_turbo.integrations.megatron.compat import check_supported_version
 from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
+from primus_turbo.integrations.megatron.router import turbo_topk_routing
 from primus_turbo.integrations.megatron.spec_provider import (
     TurboSpecProvider,
     bound_names,
@@ -131,6 +133,9 @@ def apply_primus_turbo_to_megatron(
                 (megatron_config, "moe_token_dispatcher_type", megatron_config.moe_token_dispatcher_type)
             )
             megatron_config.moe_token_dispatcher_type = "flex"
+    if features.fused_router:
+        site = ("megatron.core.transformer.moe.router", "topk_routing_with_score_function")
+        bindings[site] = turbo_topk_routing(importlib.import_module(site[0]).topk_routing_with_score_function)
     if features.fp8 is not None and not HAVE_TE:
         bindings[("megatron.core.transformer.transformer_config", "is_te_min_version")] = (
             _te_gate_without_te()
@@ -144,6 +149,8 @@ def apply_primus_turbo_to_megatron(
     slots = TurboSpecProvider(features).describe()
     if features.deepep:
         slots["token_dispatcher"] = TurboFlexTokenDispatcher.__name__
+    if features.fused_router:
+        slots["router_topk"] = "fused_group_topk_routing_with_aux_score"
     _log.info("%s; %s", features.describe(), ", ".join(f"{k} <- {v}" for k, v in slots.items()))
     return patch
 

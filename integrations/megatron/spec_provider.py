@@ -57,7 +57,13 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 ALL_FEATURES = ResolvedTurbo(
-    attention=True, gemm=True, grouped_gemm=True, deepep=True, rms_norm=True, fused_act_with_probs=True
+    attention=True,
+    gemm=True,
+    grouped_gemm=True,
+    deepep=True,
+    rms_norm=True,
+    fused_act_with_probs=True,
+    fused_router=True,
 )
 _active: list[ResolvedTurbo] = []
 

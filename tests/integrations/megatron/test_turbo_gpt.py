@@ -187,6 +187,7 @@ _SITES = (
     ("megatron.core.transformer.transformer_block", "LayerNormImpl"),
     ("megatron.core.transformer.moe.moe_layer", "MoEFlexTokenDispatcher"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEFlexTokenDispatcher"),
+    ("megatron.core.transformer.moe.router", "topk_routing_with_score_function"),
 )
 _MISSING = object()
 
