@@ -9,7 +9,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 from torch import nn
 
@@ -31,6 +37,13 @@ def _expert_tp_group(pg_collection: Any) -> torch.distributed.ProcessGroup | Non
     if group is None and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
     return group
+
+
+def _expert_groups(pg_collection: Any) -> tuple[Any, Any]:
+    """(expert-parallel group, expert-data-parallel group), from ``pg_collection`` or Megatron's state."""
+    ep = getattr(pg_collection, "ep", None) or parallel_state.get_expert_model_parallel_group()
+    edp = getattr(pg_collection, "expt_dp", None) or parallel_state.get_expert_data_parallel_group()
+    return ep, edp
 
 
 class TurboGroupedLinear(_ExtraState, nn.Module):
@@ -63,6 +76,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         self.quant_config = fp8_quant_config(config)
         self.is_first_microbatch = True
         group = _expert_tp_group(pg_collection) if parallel_mode in ("column", "row") else None
+        self._tp_group, self._pg_collection = group, pg_collection
         tp_size, rank = get_pg_size(group), get_pg_rank(group)
         self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
         self.out_features = divide(output_size, tp_size) if parallel_mode == "column" else output_size
@@ -107,6 +121,39 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed-checkpoint shards under TE's grouped names (``weight{i}``, ``_extra_state{i}``), each
+        expert placed at its global index on a leading expert axis, as TE's grouped linears do: the
+        checkpoints interchange with TE runs and with Megatron's ``SequentialMLP``."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton = metadata.get("singleton_local_shards", False)
+        ep_group, edp_group = _expert_groups(self._pg_collection)
+        first = get_pg_rank(ep_group) * self.num_gemms
+        total = get_pg_size(ep_group) * self.num_gemms
+        axis = {"column": 0, "row": 1}.get(self.parallel_mode)
+        state = self.state_dict(prefix="", keep_vars=True)
+        shards = {}
+        for i in range(self.num_gemms):
+            local = {f"{i}.weight": state[f"weight{i}"], f"{i}._extra_state": state.get("_extra_state")}
+            if self.use_bias:
+                local[f"{i}.bias"] = state[f"bias{i}"]
+            axes = {} if axis is None else {f"{i}.weight": axis, **({f"{i}.bias": 0} if axis == 0 else {})}
+            offsets = (
+                sharded_offsets if singleton else (*sharded_offsets, (len(sharded_offsets), first + i, total))
+            )
+            sub = make_sharded_tensors_for_checkpoint(
+                local, "", axes, offsets, tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"]
+            )
+            replace_prefix_for_sharding(sub, f"{i}.", f"{first + i}.{prefix}" if singleton else prefix)
+            shards[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            shards[f"{prefix}_extra_state{i if i else ''}"] = sub[f"{i}._extra_state"]
+            if self.use_bias:
+                shards[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        replica = get_pg_rank(edp_group)  # experts repeat over the expert-data-parallel ranks only
+        for shard in shards.values():
+            shard.replica_id = (*shard.replica_id[:2], replica)
+        return shards
 
     def extra_repr(self) -> str:
         fp8 = f", fp8={self.quant_config.granularity.name.lower()}" if self.quant_config else ""
@@ -156,6 +203,8 @@ class TurboGroupedMLP(MegatronModule):
         if fused_act_with_probs and not swiglu:
             raise ValueError("the fused activation with probs needs SwiGLU experts (gated_linear_unit, silu)")
         self.num_local_experts = num_local_experts
+        self.ep_group, _ = _expert_groups(pg_collection)
+        self.tp_group = _expert_tp_group(pg_collection)
         ffn = config.moe_ffn_hidden_size
         fc1 = getattr(submodules, "linear_fc1", None) or TurboColumnParallelGroupedLinear
         fc2 = getattr(submodules, "linear_fc2", None) or TurboRowParallelGroupedLinear
@@ -203,6 +252,11 @@ class TurboGroupedMLP(MegatronModule):
         h, _ = self.linear_fc1(permuted_local_hidden_states, group_lens)
         out, _ = self.linear_fc2(self._activation(h, permuted_probs), group_lens)
         return out, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron's ``TEGroupedMLP`` checkpoint layout (the gated fc1 split for tensor parallelism, keys
+        shared with ``SequentialMLP``), over this module's grouped linears."""
+        return TEGroupedMLP.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""
