@@ -25,6 +25,7 @@ VARIANTS = {
     "turbo-fp8-blockwise": ["--fp8", "e4m3", "--fp8-recipe", "blockwise"],
     "turbo-fp8-tensorwise": ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"],
     "turbo-bf16-compiled": ["--compile"],
+    "turbo-bf16-cudagraphs": ["--compile", "--compile-mode", "reduce-overhead"],
 }
 
 
@@ -62,7 +63,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    default = "turbo-bf16,turbo-fp8-blockwise,turbo-bf16-compiled"
+    parser.add_argument("--variants", default=default, help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("-o", "--output", default="megatron_moe.csv")
     args = parser.parse_args()
     folder = Path(args.output).resolve().parent

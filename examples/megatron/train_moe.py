@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp8-recipe", choices=["tensorwise", "blockwise", "mxfp8", "delayed"], default="delayed"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode (e.g. reduce-overhead: CUDA graphs per layer)",
+    )
     parser.add_argument("--csv", default=None, help="write per-step rows here")
     add_primus_turbo_args(parser)
     args = parser.parse_args(argv)
@@ -156,7 +161,7 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * config.num_layers)
         for layer in model.decoder.layers:
-            layer.compile()
+            layer.compile(mode=args.compile_mode)
     return Float16Module(config, model).to(device)
 
 
