@@ -247,7 +247,8 @@ def _check_args(a, b, trans_a, trans_b, out_dtype, config, fuse_bgrad_accum_patt
         hp = [x.dtype for x in (a, b) if isinstance(x, torch.Tensor)]
         out_dtype = hp[0] if hp else a.orig_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
-    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
+    # a cached FP8 weight accumulates into its high-precision source's main_grad
+    check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, _differentiable(b))
     return out_dtype
 
 

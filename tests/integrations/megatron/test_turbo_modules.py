@@ -122,6 +122,20 @@ def test_fused_wgrad_accumulates_into_main_grad(megatron):
     torch.testing.assert_close(layer.weight.main_grad, expected, rtol=1e-2, atol=1e-2)
 
 
+def test_fp8_cached_weight_accumulates_into_main_grad(megatron):
+    layer = _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise", gradient_accumulation_fusion=True))
+    layer = layer.to(_device())
+    layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=_device())
+    x = torch.randn(16, 64, dtype=torch.bfloat16, device=_device())
+    g = torch.randn(16, 96, dtype=torch.bfloat16, device=_device())
+    for _ in range(2):  # the second micro-batch reads the cached FP8 weight
+        out, _ = layer(x)
+        out.backward(g)
+    expected = 2 * (g.float().t() @ x.float())
+    snr = 10 * torch.log10(expected.pow(2).sum() / (layer.weight.main_grad - expected).pow(2).sum())
+    assert layer.weight.grad_added_to_main_grad and snr > 25
+
+
 def test_fp8_weight_is_quantized_once_per_weight_update(megatron):
     layer = _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise")).to(_device())
     x = torch.randn(8, 64, dtype=torch.bfloat16, device=_device())
