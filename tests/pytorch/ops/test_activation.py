@@ -97,6 +97,17 @@ def test_leading_dimensions():
 
 
 def test_opcheck_and_compile():
+    _check_opcheck_and_compile()
+
+
+def test_torch_reference_under_compile(monkeypatch):
+    """The TORCH path (no Triton) runs below the autograd dispatch key under compile: its backward must
+    not need autograd."""
+    monkeypatch.setattr(impl, "_use_triton", lambda x: False)
+    _check_opcheck_and_compile()
+
+
+def _check_opcheck_and_compile():
     x = torch.randn(6, 64, device=DEVICE)
     probs = torch.rand(6, device=DEVICE)
     mask = torch.tensor([True, False, True, True, False, True], device=DEVICE)

@@ -55,6 +55,18 @@ def _act(a: torch.Tensor, act: int) -> torch.Tensor:
     return 0.5 * a * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a.pow(3))))
 
 
+def _act_grad(a: torch.Tensor, act: int) -> torch.Tensor:
+    """d act(a) / da."""
+    if act == SILU:
+        sig = torch.sigmoid(a)
+        return sig * (1.0 + a * (1.0 - sig))
+    inner = _SQRT_2_OVER_PI * (a + 0.044715 * a.pow(3))
+    tanh = torch.tanh(inner)
+    return 0.5 * (1.0 + tanh) + 0.5 * a * (1.0 - tanh.pow(2)) * _SQRT_2_OVER_PI * (
+        1.0 + 3 * 0.044715 * a.pow(2)
+    )
+
+
 def gated_act_reference(
     x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
 ) -> torch.Tensor:
@@ -90,13 +102,22 @@ def gated_act_bwd_impl(
     """``(dx, dprobs)``: dprobs fp32 per row, empty when ``probs`` is None."""
     if _use_triton(x):
         return gated_act_bwd_triton(dy, x, probs, row_mask, act)
-    leaf = x.detach().float().requires_grad_()
-    p = probs.detach().float().requires_grad_() if probs is not None else None
-    with torch.enable_grad():
-        out = gated_act_reference(leaf, p, row_mask, act)
-        grads = torch.autograd.grad(out, [leaf] + ([p] if p is not None else []), dy.float())
-    dprobs = grads[1] if p is not None else x.new_empty(0, dtype=torch.float32)
-    return grads[0].to(x.dtype), dprobs
+    # written out, not through torch.autograd: a custom op's body may run below the autograd dispatch
+    # key (under torch.compile or the profiler), where no graph would be recorded
+    a, b = x.float().chunk(2, dim=-1)
+    scale = dy.float()
+    if probs is not None:
+        scale = scale * probs.float()[:, None]
+    if row_mask is not None:
+        scale = scale * row_mask[:, None]
+    dx = torch.cat([scale * b * _act_grad(a, act), scale * _act(a, act)], dim=-1).to(x.dtype)
+    dprobs = x.new_empty(0, dtype=torch.float32)
+    if probs is not None:
+        gated = _act(a, act) * b * dy.float()
+        if row_mask is not None:
+            gated = gated * row_mask[:, None]
+        dprobs = gated.sum(dim=-1)
+    return dx, dprobs
 
 
 @gated_act_bwd_impl.register_fake
