@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fp8-recipe", choices=["tensorwise", "blockwise", "mxfp8", "delayed"], default="delayed"
     )
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer (GPU)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
     parser.add_argument(
         "--compile-mode",
         default=None,
