@@ -14,6 +14,12 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
+from primus_turbo.common.constants import (
+    ENV_ATTN_BACKEND,
+    ENV_GEMM_BACKEND,
+    ENV_GROUPED_GEMM_BACKEND,
+    ENV_MOE_DISPATCH_COMBINE_BACKEND,
+)
 from primus_turbo.pytorch.core.backend import parse_backend_spec
 from primus_turbo.pytorch.core.low_precision import (
     DEFAULT_BLOCK_SIZE,
@@ -24,7 +30,7 @@ from primus_turbo.pytorch.core.low_precision import (
     ScalingGranularity,
 )
 
-__all__ = ["FEATURES", "PrimusTurboConfig", "ResolvedTurbo", "fp8_quant_config", "resolve"]
+__all__ = ["BACKEND_FIELDS", "FEATURES", "PrimusTurboConfig", "ResolvedTurbo", "fp8_quant_config", "resolve"]
 
 FEATURES = (
     "use_turbo_attention",
@@ -35,11 +41,12 @@ FEATURES = (
     "use_turbo_fused_act_with_probs",
     "use_turbo_fused_router",
 )
-_BACKEND_FIELDS = {
-    "turbo_gemm_backend": "PRIMUS_TURBO_GEMM_BACKEND",
-    "turbo_grouped_gemm_backend": "PRIMUS_TURBO_GROUPED_GEMM_BACKEND",
-    "turbo_attention_backend": "PRIMUS_TURBO_ATTN_BACKEND",
-    "turbo_dispatch_backend": "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND",
+# backend field -> (GlobalBackendManager op, its environment variable, whether "autotune" is allowed)
+BACKEND_FIELDS = {
+    "turbo_gemm_backend": ("gemm", ENV_GEMM_BACKEND, True),
+    "turbo_grouped_gemm_backend": ("grouped_gemm", ENV_GROUPED_GEMM_BACKEND, True),
+    "turbo_attention_backend": ("attn", ENV_ATTN_BACKEND, True),
+    "turbo_dispatch_backend": ("moe_dispatch_combine", ENV_MOE_DISPATCH_COMBINE_BACKEND, False),
 }
 _FP8_RECIPES = {
     "tensorwise": {"granularity": ScalingGranularity.TENSORWISE},
@@ -85,10 +92,7 @@ class PrimusTurboConfig:
                 raise TypeError(f"{name} must be True, False or None, got {value!r}")
             if value and not self.enable_primus_turbo:
                 raise ValueError(f"{name}=True needs enable_primus_turbo=True (--enable-primus-turbo)")
-        for name in _BACKEND_FIELDS:
-            spec = getattr(self, name)
-            if spec is not None:
-                parse_backend_spec(spec, name, name != "turbo_dispatch_backend")
+        self.backend_choices()  # bad backend strings raise here
         if not isinstance(self.use_turbo_autotune, bool):
             raise TypeError(f"use_turbo_autotune must be a bool, got {self.use_turbo_autotune!r}")
         if not isinstance(self.turbo_num_worst_tokens, int) or self.turbo_num_worst_tokens < 0:
@@ -112,7 +116,17 @@ class PrimusTurboConfig:
 
     def backend_env(self) -> dict[str, str]:
         """The ``PRIMUS_TURBO_*`` variables the backend fields stand for."""
-        return {env: getattr(self, name) for name, env in _BACKEND_FIELDS.items() if getattr(self, name)}
+        return {
+            env: getattr(self, name) for name, (_, env, _) in BACKEND_FIELDS.items() if getattr(self, name)
+        }
+
+    def backend_choices(self) -> dict[str, dict]:
+        """{op: parsed choices per precision} for each backend field that is set."""
+        return {
+            op: parse_backend_spec(getattr(self, name), name, autotune)
+            for name, (op, _, autotune) in BACKEND_FIELDS.items()
+            if getattr(self, name)
+        }
 
 
 @dataclass(frozen=True)

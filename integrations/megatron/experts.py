@@ -20,8 +20,9 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.integrations.megatron.linear import _ExtraState, init_partitioned_weight
-from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8, swiglu_with_probs
+from primus_turbo.integrations.megatron.linear import _ExtraState, init_partitioned_weight, param_device
+from primus_turbo.pytorch.modules.grouped_linear import grouped_linear
+from primus_turbo.pytorch.ops import swiglu_with_probs
 
 __all__ = [
     "TurboColumnParallelGroupedLinear",
@@ -74,13 +75,12 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         self.config, self.num_gemms, self.parallel_mode = config, num_gemms, parallel_mode
         self.is_expert, self.tp_comm_buffer_name = is_expert, tp_comm_buffer_name
         self.quant_config = fp8_quant_config(config)
-        self.is_first_microbatch = True
         group = _expert_tp_group(pg_collection) if parallel_mode in ("column", "row") else None
         self._tp_group, self._pg_collection = group, pg_collection
         tp_size, rank = get_pg_size(group), get_pg_rank(group)
         self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
         self.out_features = divide(output_size, tp_size) if parallel_mode == "column" else output_size
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        device = param_device(config)
         dim = 1 if parallel_mode == "row" else 0
         expert_parallel = config.expert_model_parallel_size > 1
         for i in range(num_gemms):
@@ -106,18 +106,8 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, None]:
         """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``."""
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
-        weight = self._stacked("weight")
-        if self.quant_config is None:
-            out = grouped_gemm(x, weight, group_lens, trans_b=True)
-        else:
-            out = grouped_gemm_fp8(x, weight, group_lens, trans_b=True, config=self.quant_config)
-        self.is_first_microbatch = False
-        if self.use_bias:
-            rows = torch.repeat_interleave(
-                torch.arange(self.num_gemms, device=x.device), group_lens, output_size=x.shape[0]
-            )
-            out = out + self._stacked("bias")[rows]
-        return out, None
+        bias = self._stacked("bias") if self.use_bias else None
+        return grouped_linear(x, self._stacked("weight"), bias, group_lens, self.quant_config), None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""

@@ -37,14 +37,9 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_mod
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.pytorch.core.low_precision import (
-    Float8QuantConfig,
-    ScalingGranularity,
-    ScalingRecipe,
-    fp8_dtype_for,
-)
 from primus_turbo.pytorch.ops import gemm, gemm_fp8, rmsnorm
-from primus_turbo.pytorch.ops.quantization import QuantizedTensor, quantize_fp8_with_trans
+from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor
 
 __all__ = [
     "TurboColumnParallelLinear",
@@ -52,35 +47,15 @@ __all__ = [
     "TurboLinear",
     "TurboRowParallelLinear",
     "init_partitioned_weight",
-    "quantize_weight",
+    "param_device",
 ]
 
 _PARALLEL_MODES = ("column", "row", "duplicated")
 
 
-def quantize_weight(weight: torch.Tensor, config: Float8QuantConfig) -> QuantizedTensor:
-    """An [out, in] weight's FP8 copies for ``gemm_fp8(x, w, trans_b=True)``: along ``in`` for the forward
-    and along ``out`` for the input gradient; the weight gradient still reaches ``weight``."""
-    blockwise = config.granularity is ScalingGranularity.BLOCKWISE
-    recipe = ScalingRecipe(use_2d_block=True) if blockwise else None
-    dtype = fp8_dtype_for(config.format, is_forward=True)
-    with torch.no_grad():
-        q, s, q_t, s_t = quantize_fp8_with_trans(
-            weight, dtype, config.granularity, block_size=config.block_size, scaling_recipe=recipe
-        )
-    axis = None if config.granularity is ScalingGranularity.TENSORWISE or blockwise else 1
-    return QuantizedTensor(
-        q,
-        s,
-        config.granularity,
-        config.block_size,
-        axis,
-        recipe,
-        weight.dtype,
-        hp=weight,
-        data_t=q_t,
-        scale_inv_t=s_t,
-    )
+def param_device(config: Any) -> torch.device | int | None:
+    """Where Megatron creates parameters: the host with ``use_cpu_initialization``, else the current GPU."""
+    return None if config.use_cpu_initialization else torch.cuda.current_device()
 
 
 def init_partitioned_weight(
@@ -186,8 +161,7 @@ class TurboLinear(_ExtraState, nn.Module):
                 param.sequence_parallel = bool(config.sequence_parallel)
 
     def _empty(self, *shape: int) -> torch.Tensor:
-        device = None if self.config.use_cpu_initialization else torch.cuda.current_device()
-        return torch.empty(*shape, device=device, dtype=self.config.params_dtype)
+        return torch.empty(*shape, device=param_device(self.config), dtype=self.config.params_dtype)
 
     def _make_weight(self, input_size, output_size, init_method, tp_size, rank, stride) -> None:
         self.weight = nn.Parameter(self._empty(self.out_features, self.in_features))
@@ -216,7 +190,7 @@ class TurboLinear(_ExtraState, nn.Module):
             return self.weight
         key = (self.weight._version, self.weight.data_ptr())
         if self.is_first_microbatch or self._weight_cache is None or self._weight_cache[:2] != key:
-            self._weight_cache = (*key, quantize_weight(self.weight, self.quant_config))
+            self._weight_cache = (*key, quantize_fp8_weight(self.weight, self.quant_config))
         return self._weight_cache[2]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -404,9 +378,6 @@ class TurboLayerNormColumnParallelLinear(TurboColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._finish(self._matmul(self._gather_input(self._norm(x))))
-
-    def _tp_axis_map(self) -> dict[str, int]:
-        return {"weight": 0, "bias": 0}
 
     def extra_repr(self) -> str:
         return f"{self.normalization}, " + super().extra_repr()

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from primus_turbo.integrations.megatron.linear import param_device
 from primus_turbo.pytorch.modules import RMSNorm
 
 __all__ = ["TurboNorm", "TurboRMSNorm"]
@@ -15,12 +16,11 @@ class TurboRMSNorm(RMSNorm):
     """Turbo's ``RMSNorm`` built from a Megatron config; the weight is named ``weight`` as in TE."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
-        device = None if config.use_cpu_initialization else "cuda"
         super().__init__(
             hidden_size,
             eps=eps,
             zero_centered=bool(config.layernorm_zero_centered_gamma),
-            device=device,
+            device=param_device(config),
             dtype=config.params_dtype,
         )
         self.config = config
@@ -31,8 +31,7 @@ class TurboRMSNorm(RMSNorm):
 def _layer_norm(config: Any, hidden_size: int, eps: float) -> nn.LayerNorm:
     if config.layernorm_zero_centered_gamma:
         raise ValueError("zero-centred LayerNorm is not supported with Turbo norms")
-    device = None if config.use_cpu_initialization else "cuda"
-    norm = nn.LayerNorm(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+    norm = nn.LayerNorm(hidden_size, eps=eps, device=param_device(config), dtype=config.params_dtype)
     for param in norm.parameters():
         param.sequence_parallel = bool(config.sequence_parallel)
     return norm

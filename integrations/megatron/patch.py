@@ -22,7 +22,7 @@ from primus_turbo.integrations.megatron.spec_provider import (
     spec_bindings,
 )
 from primus_turbo.integrations.megatron.token_dispatcher import TurboFlexTokenDispatcher
-from primus_turbo.pytorch.core.backend import GlobalBackendManager, parse_backend_spec
+from primus_turbo.pytorch.core.backend import GlobalBackendManager
 
 __all__ = ["TurboPatch", "apply_primus_turbo_to_megatron", "remove_primus_turbo_from_megatron"]
 
@@ -35,12 +35,6 @@ _DISPATCHER_SITES = (
 # megatron-core's TransformerConfig checks these Transformer-Engine versions for MoE FP8 training; when TE
 # is not installed and Turbo runs every FP8 GEMM, the checks are about a library that is not in use
 _FP8_MOE_TE_GATES = ("1.7.0.dev0", "1.11.0")
-_BACKEND_OPS = {
-    "turbo_gemm_backend": "gemm",
-    "turbo_grouped_gemm_backend": "grouped_gemm",
-    "turbo_attention_backend": "attn",
-    "turbo_dispatch_backend": "moe_dispatch_combine",
-}
 
 
 @dataclass
@@ -88,11 +82,8 @@ def _te_gate_without_te() -> Any:
 
 
 def _set_backends(turbo: PrimusTurboConfig, patch: TurboPatch) -> None:
-    for name, op in _BACKEND_OPS.items():
-        spec = getattr(turbo, name)
-        if not spec:
-            continue
-        for precision, choice in parse_backend_spec(spec, name, op != "moe_dispatch_combine").items():
+    for op, choices in turbo.backend_choices().items():
+        for precision, choice in choices.items():
             GlobalBackendManager.set_backend(op, choice.backend, precision, auto_tune=choice.auto_tune)
         patch._backend_ops.append(op)
     if turbo.use_turbo_autotune:

@@ -206,7 +206,11 @@ _PROVIDER_SITES = (
     "megatron.core.models.gpt.moe_module_specs",
     "megatron.core.transformer.multi_token_prediction",
 )
-_NORM_SITES = (("megatron.core.models.gpt.gpt_layer_specs", "TENorm"),)
+# the final norm: the block spec helper's TENorm, and the block's own default when given one layer spec
+_NORM_SITES = (
+    ("megatron.core.models.gpt.gpt_layer_specs", "TENorm"),
+    ("megatron.core.transformer.transformer_block", "LayerNormImpl"),
+)
 _MISSING = object()
 
 
@@ -238,9 +242,7 @@ def spec_bindings(features: ResolvedTurbo) -> dict[tuple[str, str], Any]:
     bindings: dict[tuple[str, str], Any] = {
         (site, "TESpecProvider"): _BoundProvider for site in _PROVIDER_SITES
     }
-    norm = TurboNorm if features.rms_norm else fallback_provider().layer_norm()
-    bindings.update({site: norm for site in _NORM_SITES})
-    bindings[("megatron.core.transformer.transformer_block", "LayerNormImpl")] = norm
+    bindings.update({site: _BoundProvider().layer_norm() for site in _NORM_SITES})
     return bindings
 
 

@@ -11,7 +11,28 @@ from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "grouped_linear"]
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_lens: torch.Tensor,
+    config: Float8QuantConfig | None = None,
+) -> torch.Tensor:
+    """``x[rows of g] @ weight[g].T + bias[g]`` for ``weight`` [G, out, in] and ``bias`` [G, out] or None,
+    over tokens sorted by group (int64 ``group_lens`` on x's device); FP8 GEMMs with ``config``."""
+    if config is None:
+        out = grouped_gemm(x, weight, group_lens, trans_b=True)
+    else:
+        out = grouped_gemm_fp8(x, weight, group_lens, trans_b=True, config=config)
+    if bias is None:
+        return out
+    group_of_row = torch.repeat_interleave(
+        torch.arange(weight.shape[0], device=x.device), group_lens, output_size=x.shape[0]
+    )
+    return out + bias[group_of_row]
 
 
 class GroupedLinear(nn.Module):
@@ -56,16 +77,7 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
-        if self.config is None:
-            out = grouped_gemm(x, self.weight, group_lens, trans_b=True)
-        else:
-            out = grouped_gemm_fp8(x, self.weight, group_lens, trans_b=True, config=self.config)
-        if self.bias is None:
-            return out
-        group_of_row = torch.repeat_interleave(
-            torch.arange(self.num_groups, device=x.device), group_lens, output_size=x.shape[0]
-        )
-        return out + self.bias[group_of_row]
+        return grouped_linear(x, self.weight, self.bias, group_lens, self.config)
 
     def extra_repr(self) -> str:
         return (

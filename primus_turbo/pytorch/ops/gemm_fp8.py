@@ -37,7 +37,7 @@ from primus_turbo.pytorch.core.validation import check_dtype, check_same_device,
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_accum_impl, gemm_fp8_impl
 from primus_turbo.pytorch.ops.quantization import QuantizedTensor, quantize_fp8, quantize_fp8_with_trans
 
-__all__ = ["gemm_fp8"]
+__all__ = ["gemm_fp8", "quantize_fp8_weight"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _G = ScalingGranularity
@@ -72,6 +72,30 @@ def _quantize_operand(
     axis = None if config.granularity is _G.TENSORWISE or block_2d else 1
     q, s = quantize_fp8(x, dtype, config.granularity, block_size=block, axis=axis, scaling_recipe=recipe)
     return _Operand(q, s, None, None, block_2d)
+
+
+def quantize_fp8_weight(weight: torch.Tensor, config: Float8QuantConfig) -> QuantizedTensor:
+    """A [N, K] weight quantized once for ``gemm_fp8(x, w, trans_b=True, config=config)`` calls: the copy
+    along K the forward reads and the copy along N the input gradient reads, made as the GEMM would make
+    them (2-D blocks for BLOCKWISE). Reuse it while the weight is unchanged (across micro-batches); the
+    weight gradient still reaches ``weight``."""
+    dtype = fp8_dtype_for(config.format, is_forward=True)
+    with torch.no_grad():
+        op = _quantize_operand(weight, dtype, config, weight=True, other=True)
+    recipe = ScalingRecipe(use_2d_block=True) if op.block_2d else None
+    axis = None if config.granularity is _G.TENSORWISE or op.block_2d else 1
+    return QuantizedTensor(
+        op.q,
+        op.scale,
+        config.granularity,
+        config.block_size,
+        axis,
+        recipe,
+        weight.dtype,
+        hp=weight,
+        data_t=op.q_other,
+        scale_inv_t=op.scale_other,
+    )
 
 
 def _prequantized_operand(qt: QuantizedTensor, trans: bool, other: bool) -> _Operand:

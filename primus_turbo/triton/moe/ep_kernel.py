@@ -55,6 +55,12 @@ class PeerLayout(NamedTuple):
     combine_weights: int
     nbytes: int
 
+    def dispatch_words(self) -> tuple[int, int, int, int, int, int]:
+        """The dispatch kernels' int32-word sizes and offsets: row, rows, idx, weights, scales, counts."""
+        return tuple(
+            n // 4 for n in (self.row_bytes, self.rows, self.idx, self.weights, self.scales, self.counts)
+        )
+
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -253,8 +259,7 @@ def dispatch_push_triton(
     _dispatch_push_kernel[(tokens + 1,)](
         _words(x), topk_idx.contiguous(), weights.contiguous() if weights is not None else topk_idx,
         scales.contiguous() if scales is not None else topk_idx, slot.contiguous(), sent, table, me, tokens,
-        local_experts, layout.cap, layout.row_bytes // 4, layout.rows // 4, layout.idx // 4,
-        layout.weights // 4, layout.scales // 4, layout.counts // 4, k, s, R=layout.ranks,
+        local_experts, layout.cap, *layout.dispatch_words(), k, s, R=layout.ranks,
         HAS_W=weights is not None, HAS_S=scales is not None, BLOCK=_BLOCK_WORDS, K_P2=_p2(k), S_P2=_p2(s),
     )  # fmt: skip
 
@@ -276,8 +281,7 @@ def dispatch_receive_triton(
     if rows:
         _dispatch_receive_kernel[(rows,)](
             words, x, idx, w if w is not None else idx, s if s is not None else idx, src_rank, src_pos,
-            layout.ranks, layout.cap, layout.row_bytes // 4, layout.rows // 4, layout.idx // 4,
-            layout.weights // 4, layout.scales // 4, layout.counts // 4, layout.topk, layout.scale_cols,
+            layout.ranks, layout.cap, *layout.dispatch_words(), layout.topk, layout.scale_cols,
             R_P2=_p2(layout.ranks), HAS_W=with_weights, HAS_S=with_scales, BLOCK=_BLOCK_WORDS,
             K_P2=_p2(layout.topk), S_P2=_p2(layout.scale_cols),
         )  # fmt: skip
