@@ -1,13 +1,18 @@
 """Profile Turbo training steps of the example's MoE GPT on one GPU: wall time per step, GPU busy time,
-and the top kernels and host ops (torch.profiler). Tells host-bound from device-bound steps.
+and the top kernels and host ops (torch.profiler). Tells host-bound from device-bound steps. With
+``--cprofile`` it also profiles the Python of the timed steps without torch.profiler (which turns the
+custom ops' eager fast path off): the functions that take the host's time.
 
     python scripts/profile_megatron_step.py --size small [--fp8 e4m3 --fp8-recipe blockwise] [--local-only]
 """
 
 from __future__ import annotations
 
+import cProfile
 import importlib.util
+import io
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -24,8 +29,24 @@ sys.modules["train_moe"] = train_moe  # dataclasses look their module up while t
 _spec.loader.exec_module(train_moe)
 
 
+def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
+    """cProfile of three eager steps: the top functions by own and by cumulative time."""
+    args.steps = 3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
+    profiler.disable()
+    fwd_bwd = sum(log.fwd_bwd_s for log in logs) / len(logs)
+    print(f"cProfile run: fwd+bwd {fwd_bwd * 1e3:.1f} ms per step (profiled)")
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+        print(text.getvalue())
+
+
 def main() -> None:
-    args = train_moe.parse_args(sys.argv[1:])
+    cprofile = "--cprofile" in sys.argv
+    args = train_moe.parse_args([a for a in sys.argv[1:] if a != "--cprofile"])
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group(
@@ -40,12 +61,19 @@ def main() -> None:
         device = torch.device("cuda", 0)
         model = train_moe.build_model(args, not args.local_only, device)
         args.steps = 5
-        train_moe.train(model, args, 0, device)  # warm up: compile, autotune, allocator
+        # warm up: compile, autotune, allocator
+        train_moe.train(model, args, 0, device, graph=args.cuda_graph)
+        args.steps = 5
+        logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
+        eager = sorted(log.fwd_bwd_s for log in logs)[len(logs) // 2]
+        print(f"unprofiled: fwd+bwd {eager * 1e3:.1f} ms per step (median of 5)")
+        if cprofile:
+            _python_profile(model, args, device)
         args.steps = 3
         torch.cuda.synchronize()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            logs = train_moe.train(model, args, 0, device)
+            logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
         events = prof.key_averages()

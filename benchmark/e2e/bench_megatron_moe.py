@@ -25,7 +25,9 @@ VARIANTS = {
     "turbo-fp8-blockwise": ["--fp8", "e4m3", "--fp8-recipe", "blockwise"],
     "turbo-fp8-tensorwise": ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"],
     "turbo-bf16-compiled": ["--compile"],
-    "turbo-bf16-cudagraphs": ["--compile", "--compile-mode", "reduce-overhead"],
+    "turbo-bf16-graph": ["--cuda-graph"],
+    "turbo-fp8-blockwise-graph": ["--fp8", "e4m3", "--fp8-recipe", "blockwise", "--cuda-graph"],
+    "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],
 }
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,13 +80,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compile-mode",
         default=None,
-        help="torch.compile mode (e.g. reduce-overhead: CUDA graphs per layer)",
+        help="torch.compile mode without CUDA graphs (default, max-autotune-no-cudagraphs); for CUDA "
+        "graphs add --cuda-graph",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the Turbo model's forward+backward in one CUDA graph after the warm-up steps and "
+        "replay it (one GPU: the one-rank MoE path never waits for the host); the local spec stays eager",
     )
     parser.add_argument("--csv", default=None, help="write per-step rows here")
     add_primus_turbo_args(parser)
     args = parser.parse_args(argv)
     if not args.local_only:
         args.enable_primus_turbo = True  # the example's point: implied unless --local-only
+    if args.cuda_graph and (args.nproc != 1 or not torch.cuda.is_available()):
+        parser.error("--cuda-graph needs one GPU (--nproc 1): multi-rank dispatch sizes buffers on the host")
+    if args.compile_mode in ("reduce-overhead", "max-autotune"):
+        # CUDA-graph trees own their outputs' memory; Megatron's MoE metrics tracker keeps one across steps
+        parser.error(f"--compile-mode {args.compile_mode} takes CUDA graphs per layer, which Megatron's MoE "
+                     "logging breaks; use --compile --cuda-graph (one graph of the whole step)")  # fmt: skip
     return args
 
 
@@ -191,8 +205,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train(model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device) -> list[StepLog]:
-    """``args.steps`` Adam steps on the synthetic data of this data-parallel rank."""
+class GraphedStep:
+    """Forward+backward of a training step captured once in a CUDA graph, then replayed.
+
+    A host-bound step (many short kernels) runs at the GPU's pace when replayed. The batch is copied into
+    a static tensor; the gradients are the graph's own tensors, rewritten (not accumulated) by each
+    replay, so they are never set to None after the capture. The optimizer step stays outside the graph.
+    """
+
+    WARMUP = 2  # eager passes on a side stream before the capture (lazy init, autotune, allocator)
+
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor], torch.Tensor],
+        tokens: torch.Tensor,
+        zero_grad: Callable[[], None],
+    ) -> None:
+        self.tokens = tokens.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                step(self.tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        zero_grad()  # the capture's backward then allocates the gradients in the graph's pool
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = step(self.tokens)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.loss
+
+
+def train(
+    model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device, graph: bool = False
+) -> list[StepLog]:
+    """``args.steps`` Adam steps on the synthetic data of this data-parallel rank; with ``graph`` the
+    steps after ``args.warmup`` replay a CUDA graph of the forward+backward."""
     from megatron.core import parallel_state as ps
 
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -200,19 +251,29 @@ def train(model: torch.nn.Module, args: argparse.Namespace, rank: int, device: t
     seq = SIZES[args.size]["seq"]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
     position_ids = torch.arange(seq, device=device)[None]
+
+    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
+        loss.backward()
+        return loss
+
+    graphed: GraphedStep | None = None
     logs = []
     for step in range(args.steps):
         tokens = synthetic_batch(step, data_rank, args, device)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if graph and step >= args.warmup and graphed is None:
+            graphed = GraphedStep(forward_backward, tokens, lambda: optimizer.zero_grad(set_to_none=True))
+        run = graphed or forward_backward
         _sync(device)
         start = time.perf_counter()
-        loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
-        loss.backward()
+        loss = run(tokens)
         _sync(device)
         elapsed = time.perf_counter() - start
         _reduce_grads(model)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is None:
+            optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         logs.append(StepLog(step, mean_loss.item() / dist.get_world_size(), elapsed))
@@ -288,7 +349,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
             ep = args.nproc // args.tp
             print(f"[{name}] {args.size} model, {args.nproc} process(es), TP {args.tp}, EP {ep}")
             print(_describe(models[name]), flush=True)
-        results[name] = train(models[name], args, rank, device)
+        results[name] = train(models[name], args, rank, device, graph=args.cuda_graph and name != "local")
     if rank == 0:
         _report(results, args)
     dist.barrier()
