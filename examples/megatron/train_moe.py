@@ -245,7 +245,10 @@ def train(
     """``args.steps`` Adam steps on the synthetic data of this data-parallel rank; with ``graph`` the
     steps after ``args.warmup`` replay a CUDA graph of the forward+backward."""
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+    # as Megatron's schedule does each step: the aux losses' gradient scale (one micro-batch, no loss scaling)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data_rank = ps.get_data_parallel_rank()
     seq = SIZES[args.size]["seq"]
@@ -256,7 +259,9 @@ def train(
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
         loss.backward()
-        return loss
+        # detached: a live autograd graph keeps its parameters' gradient-accumulator nodes, which remember
+        # the stream they were made on, and a CUDA-graph capture must not find the default stream's there
+        return loss.detach()
 
     graphed: GraphedStep | None = None
     logs = []
