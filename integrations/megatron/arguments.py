@@ -17,7 +17,9 @@ _FEATURE_HELP = {
     "use_turbo_rms_norm": "RMSNorm layers, the final norm included",
     "use_turbo_fused_act_with_probs": "SwiGLU fused with the routing probabilities in the experts",
     "use_turbo_fused_router": "the MoE router's score function and top-k as one kernel each way",
+    "use_turbo_async_tp": "all-gather + GEMM and GEMM + reduce-scatter fused in sequence-parallel linears",
 }
+_OPT_IN = {"use_turbo_async_tp"}  # off unless asked for
 
 
 def add_primus_turbo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,7 +39,8 @@ def add_primus_turbo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
             "--" + name.replace("_", "-"),
             action=argparse.BooleanOptionalAction,
             default=None,
-            help=f"Turbo {_FEATURE_HELP[name]} (default: on when the model can use it)",
+            help=f"Turbo {_FEATURE_HELP[name]} "
+            + ("(default: off)" if name in _OPT_IN else "(default: on when the model can use it)"),
         )
     for name, what in (
         ("turbo_gemm_backend", "GEMM"),

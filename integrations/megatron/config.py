@@ -40,6 +40,7 @@ FEATURES = (
     "use_turbo_rms_norm",
     "use_turbo_fused_act_with_probs",
     "use_turbo_fused_router",
+    "use_turbo_async_tp",
 )
 # backend field -> (GlobalBackendManager op, its environment variable, whether "autotune" is allowed)
 BACKEND_FIELDS = {
@@ -76,6 +77,7 @@ class PrimusTurboConfig:
     use_turbo_rms_norm: bool | None = None
     use_turbo_fused_act_with_probs: bool | None = None
     use_turbo_fused_router: bool | None = None
+    use_turbo_async_tp: bool | None = None
     turbo_gemm_backend: str | None = None
     turbo_grouped_gemm_backend: str | None = None
     turbo_attention_backend: str | None = None
@@ -140,6 +142,7 @@ class ResolvedTurbo:
     rms_norm: bool = False
     fused_act_with_probs: bool = False
     fused_router: bool = False
+    async_tp: bool = False
     fp8: Float8QuantConfig | None = None
     num_worst_tokens: int = 0
 
@@ -227,6 +230,15 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         moe and _get(config, "moe_router_load_balancing_type", "aux_loss") != "sinkhorn",
         "the model needs experts routed by top-k (not sinkhorn)",
     )
+    # opt-in (None: off): the fused ops pay off where the pipelined backend beats the plain collectives
+    async_tp = bool(turbo.use_turbo_async_tp) and _feature(
+        turbo,
+        "use_turbo_async_tp",
+        gemm
+        and bool(_get(config, "sequence_parallel", False))
+        and int(_get(config, "tensor_model_parallel_size", 1) or 1) > 1,
+        "it needs Turbo linears and tensor parallelism > 1 with --sequence-parallel",
+    )
     if _get(config, "tp_comm_overlap", False) and gemm:
         raise ValueError(
             "tp_comm_overlap (Transformer-Engine userbuffers) cannot run with Turbo linears; "
@@ -255,6 +267,7 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         rms_norm=rms_norm,
         fused_act_with_probs=fused_act,
         fused_router=fused_router,
+        async_tp=async_tp,
         fp8=fp8,
         num_worst_tokens=turbo.turbo_num_worst_tokens,
     )

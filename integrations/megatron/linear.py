@@ -37,7 +37,13 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_mod
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.pytorch.ops import gemm, gemm_fp8, rmsnorm
+from primus_turbo.pytorch.ops import (
+    fused_all_gather_matmul,
+    fused_matmul_reduce_scatter,
+    gemm,
+    gemm_fp8,
+    rmsnorm,
+)
 from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
 from primus_turbo.pytorch.ops.quantization import QuantizedTensor
 
@@ -102,7 +108,13 @@ class _ExtraState:
 
 
 class TurboLinear(_ExtraState, nn.Module):
-    """``TELinear``'s contract: ``parallel_mode`` "column", "row" or "duplicated" (no tensor parallelism)."""
+    """``TELinear``'s contract: ``parallel_mode`` "column", "row" or "duplicated" (no tensor parallelism).
+
+    Layers built while ``async_tp`` is set (by ``--use-turbo-async-tp``) run a sequence-parallel bf16/fp16
+    all-gather + GEMM (column) or GEMM + reduce-scatter (row) as one fused op.
+    """
+
+    async_tp: bool = False
 
     def __init__(
         self,
@@ -142,6 +154,8 @@ class TurboLinear(_ExtraState, nn.Module):
         self.explicit_expert_comm = is_expert and (tp_size > 1 or expert_parallel)
         self.communicates = parallel_mode != "duplicated" and tp_size > 1 and not self.explicit_expert_comm
         self.sequence_parallel = bool(config.sequence_parallel) and self.communicates
+        # FP8 layers keep the separate collective for now
+        self.fused_tp = self.async_tp and self.sequence_parallel and self.quant_config is None
         self.in_features = divide(input_size, tp_size) if parallel_mode == "row" else input_size
         self.out_features = divide(output_size, tp_size) if parallel_mode == "column" else output_size
         self._make_weight(input_size, output_size, init_method, tp_size, rank, stride)
@@ -225,17 +239,31 @@ class TurboLinear(_ExtraState, nn.Module):
             return reduce_scatter_to_sequence_parallel_region(out, group=self._tp_group)
         return reduce_from_tensor_model_parallel_region(out, group=self._tp_group)
 
-    def _finish(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self._reduce_output(out)
+    def _add_bias(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.bias is None:
             return out, None
         if self.skip_bias_add:
             return out, self.bias
         return out + self.bias, None
 
+    def _gather_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Column-parallel: the gathered sequence times the weight shard."""
+        if self.parallel_mode == "column" and self.fused_tp:
+            _, (out,) = fused_all_gather_matmul(x, [self.weight.t()], 0, self._tp_group, return_a=False)
+            return out
+        return self._matmul(self._gather_input(x))
+
+    def _matmul_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-parallel: the partial products summed over the group, this rank's sequence shard kept."""
+        if self.parallel_mode == "row" and self.fused_tp:
+            return fused_matmul_reduce_scatter(x, self.weight.t(), 0, self._tp_group)
+        return self._reduce_output(self._matmul(x))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` [..., in] (the local sequence shard with sequence parallelism) -> ``(out, bias or None)``."""
-        return self._finish(self._matmul(self._gather_input(x)))
+        if self.parallel_mode == "row":
+            return self._add_bias(self._matmul_reduce(x))
+        return self._add_bias(self._gather_matmul(x))
 
     def finish_init(self, quantization_config: Any) -> None:
         """Megatron's per-layer quantization override: Turbo reads FP8 from the model config only."""
@@ -377,7 +405,7 @@ class TurboLayerNormColumnParallelLinear(TurboColumnParallelLinear):
         return F.layer_norm(x, (x.shape[-1],), weight, self.layer_norm_bias, self.eps)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._finish(self._matmul(self._gather_input(self._norm(x))))
+        return self._add_bias(self._gather_matmul(self._norm(x)))
 
     def extra_repr(self) -> str:
         return f"{self.normalization}, " + super().extra_repr()

@@ -14,6 +14,7 @@ from megatron.core.extensions.transformer_engine import HAVE_TE
 
 from primus_turbo.integrations.megatron.compat import check_supported_version
 from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
+from primus_turbo.integrations.megatron.linear import TurboLinear
 from primus_turbo.integrations.megatron.router import turbo_topk_routing
 from primus_turbo.integrations.megatron.spec_provider import (
     TurboSpecProvider,
@@ -61,6 +62,7 @@ class TurboPatch:
         if self._auto_tune:
             GlobalBackendManager.set_auto_tune(None)
         TurboFlexTokenDispatcher.num_worst_tokens = 0
+        TurboLinear.async_tp = False
         set_active_features(None)
         if _applied and _applied[0] is self:
             _applied.clear()
@@ -134,6 +136,7 @@ def apply_primus_turbo_to_megatron(
     patch._names = bound_names(bindings)
     patch._names.__enter__()
     TurboFlexTokenDispatcher.num_worst_tokens = features.num_worst_tokens
+    TurboLinear.async_tp = features.async_tp
     set_active_features(features)
     _set_backends(turbo, patch)
     _applied[:] = [patch]

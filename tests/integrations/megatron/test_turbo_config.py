@@ -68,6 +68,13 @@ def test_features_follow_the_model():
     assert gelu.grouped_gemm and not gelu.fused_act_with_probs
 
 
+def test_async_tp_is_opt_in():
+    model = _megatron(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert not resolve(PrimusTurboConfig(enable_primus_turbo=True), model).async_tp
+    assert resolve(PrimusTurboConfig(enable_primus_turbo=True, use_turbo_async_tp=True), model).async_tp
+    assert _parse("--enable-primus-turbo", "--use-turbo-async-tp").use_turbo_async_tp
+
+
 def test_a_feature_can_be_turned_off():
     features = resolve(PrimusTurboConfig(enable_primus_turbo=True, use_turbo_attention=False), _megatron())
     assert not features.attention and features.gemm
@@ -82,6 +89,8 @@ def test_a_feature_can_be_turned_off():
         ("use_turbo_attention", {"attention_dropout": 0.1}, "attention dropout"),
         ("use_turbo_rms_norm", {"normalization": "LayerNorm"}, "not RMSNorm"),
         ("use_turbo_fused_act_with_probs", {"gated_linear_unit": False}, "SwiGLU"),
+        ("use_turbo_async_tp", {"tensor_model_parallel_size": 2}, "--sequence-parallel"),
+        ("use_turbo_async_tp", {"sequence_parallel": True}, "tensor parallelism > 1"),
     ],
 )
 def test_insisting_on_an_unusable_feature_raises(flag, overrides, message):

@@ -35,7 +35,7 @@ from tests.integrations.megatron.megatron_harness import (
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _pair(moe: bool, **overrides):
+def _pair(moe: bool, async_tp: bool = False, **overrides):
     """(local-spec model, Turbo model with the local model's weights); MoE models go through the patch,
     which also puts in the Turbo dispatcher."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -46,7 +46,8 @@ def _pair(moe: bool, **overrides):
         config, get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
     )
     turbo_config = tiny_config(**fields, moe_grouped_gemm=moe)
-    patch = apply_primus_turbo_to_megatron(PrimusTurboConfig(enable_primus_turbo=True), turbo_config)
+    switch = PrimusTurboConfig(enable_primus_turbo=True, use_turbo_async_tp=async_tp or None)
+    patch = apply_primus_turbo_to_megatron(switch, turbo_config)
     try:
         turbo = build_gpt(turbo_config, get_gpt_decoder_block_turbo_spec(turbo_config))
     finally:
@@ -121,11 +122,13 @@ def test_turbo_bf16_is_as_close_to_fp32_as_local_bf16(moe):
         )
 
 
-def _parallel_body(rank: int, world: int, tp: int, ep: int, sequence_parallel: bool) -> None:
+def _parallel_body(rank: int, world: int, tp: int, ep: int, sequence_parallel: bool, async_tp: bool) -> None:
     init_megatron(tp=tp, ep=ep, etp=1 if ep > 1 else None)
     try:
         fields = dict(bf16=False, params_dtype=torch.float32, sequence_parallel=sequence_parallel)
-        local, turbo = _pair(ep > 1, **fields)
+        local, turbo = _pair(ep > 1, async_tp, **fields)
+        layers = [m for m in turbo.modules() if hasattr(m, "fused_tp")]
+        assert layers and all(m.fused_tp == async_tp for m in layers)
         _compare(local, turbo, rtol=1e-4)
         if ep > 1:  # each rank's experts land at their global index in a distributed checkpoint
             assert _expert_shards(turbo) == _expert_shards(local)
@@ -135,12 +138,12 @@ def _parallel_body(rank: int, world: int, tp: int, ep: int, sequence_parallel: b
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize(
-    ("tp", "ep", "sequence_parallel"),
-    [(2, 1, False), (2, 1, True), (1, 2, False)],
-    ids=["tp2", "tp2-sp", "ep2"],
+    ("tp", "ep", "sequence_parallel", "async_tp"),
+    [(2, 1, False, False), (2, 1, True, False), (2, 1, True, True), (1, 2, False, False)],
+    ids=["tp2", "tp2-sp", "tp2-sp-async-tp", "ep2"],
 )
-def test_turbo_matches_local_parallel(tp, ep, sequence_parallel):
-    spawn(2, _parallel_body, tp, ep, sequence_parallel)
+def test_turbo_matches_local_parallel(tp, ep, sequence_parallel, async_tp):
+    spawn(2, _parallel_body, tp, ep, sequence_parallel, async_tp)
 
 
 TE_LAYER_KEYS = {

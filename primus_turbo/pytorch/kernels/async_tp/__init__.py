@@ -1,0 +1,1 @@
+"""Tensor-parallel collectives fused with GEMMs (async TP) as custom ops."""

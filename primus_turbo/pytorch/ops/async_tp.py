@@ -1,0 +1,176 @@
+"""Tensor-parallel communication fused with GEMMs, with autograd (async TP).
+
+``fused_all_gather_matmul`` is the column-parallel linear under sequence parallelism (gather the
+sequence shards, multiply by each weight) and ``fused_matmul_reduce_scatter`` the row-parallel one
+(multiply, sum the partial products over the group and keep this rank's shard). Each one's backward is
+the other: the gradient of an all-gather is a reduce-scatter and the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
+from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
+    REDUCE_OPS,
+    fused_all_gather_matmul_impl,
+    fused_matmul_reduce_scatter_impl,
+)
+from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_impl
+
+__all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _weight_grad(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``a``^T @ ``grad`` over all leading dimensions: [K, N]."""
+    flat_a, flat_g = a.reshape(-1, a.shape[-1]), grad.reshape(-1, grad.shape[-1])
+    return call_op(gemm_impl, flat_a, flat_g, True, False, a.dtype)
+
+
+def _input_grad(grads: list[torch.Tensor], bs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum over the weights of ``grad_i @ B_i``^T."""
+    total = None
+    for grad, b in zip(grads, bs, strict=True):
+        flat = grad.reshape(-1, grad.shape[-1])
+        part = call_op(gemm_impl, flat, b, False, True, grad.dtype).view(*grad.shape[:-1], b.shape[0])
+        total = part if total is None else total + part
+    return total
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a_shard, gather_dim, group_name, *bs):
+        a, *outs = call_op(fused_all_gather_matmul_impl, a_shard, list(bs), gather_dim, group_name)
+        ctx.gather_dim, ctx.group_name = gather_dim, group_name
+        ctx.save_for_backward(a, *bs)
+        return (a, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_a, *grad_outs):
+        a, *bs = ctx.saved_tensors
+        used = [(g, b) for g, b in zip(grad_outs, bs, strict=True) if g is not None]
+        grad_shard = None
+        if ctx.needs_input_grad[0]:
+            if len(used) == 1 and grad_a is None:
+                ((grad, b),) = used
+                grad_shard = call_op(
+                    fused_matmul_reduce_scatter_impl, grad, b.t(), ctx.gather_dim, ctx.group_name, "sum"
+                )
+            else:
+                full = _input_grad([g for g, _ in used], [b for _, b in used]) if used else None
+                if grad_a is not None:
+                    full = grad_a if full is None else full + grad_a
+                grad_shard = funcol.wait_tensor(
+                    funcol.reduce_scatter_tensor(full.contiguous(), "sum", ctx.gather_dim, ctx.group_name)
+                )
+        grad_bs = [
+            _weight_grad(a, g) if g is not None and ctx.needs_input_grad[3 + i] else None
+            for i, g in enumerate(grad_outs)
+        ]
+        return grad_shard, None, None, *grad_bs
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, scatter_dim, group_name, reduce_op):
+        ctx.scatter_dim, ctx.group_name, ctx.reduce_op = scatter_dim, group_name, reduce_op
+        ctx.save_for_backward(a, b)
+        return call_op(fused_matmul_reduce_scatter_impl, a, b, scatter_dim, group_name, reduce_op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        if ctx.reduce_op == "avg":
+            grad = grad / dist.get_world_size(dist.distributed_c10d._resolve_process_group(ctx.group_name))
+        gathered, grad_a = call_op(
+            fused_all_gather_matmul_impl, grad.contiguous(), [b.t()], ctx.scatter_dim, ctx.group_name
+        )
+        grad_b = _weight_grad(a, gathered) if ctx.needs_input_grad[1] else None
+        return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None, None
+
+
+def _leading_dim(name: str, dim: int, x: torch.Tensor) -> int:
+    """``dim`` normalised; it must index a leading (not the feature) dimension of ``x``."""
+    if not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1:
+        raise ValueError(f"{name} must index one of the leading dimensions of a {x.dim()}-D input, got {dim}")
+    return dim % x.dim()
+
+
+def _check_weight(name: str, b: torch.Tensor, a: torch.Tensor) -> None:
+    check_tensor(name, b, dim=2)
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(
+            f"{name} must be [K, N] with K = {a.shape[-1]} (a's last dimension), got {tuple(b.shape)}"
+        )
+    if b.dtype != a.dtype:
+        raise TypeError(f"{name} must have a's dtype {a.dtype}, got {b.dtype}")
+    check_same_device(a=a, **{name: b})
+
+
+def fused_all_gather_matmul(
+    a_shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    gather_dim: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    return_a: bool = True,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """``A = all_gather(a_shard, gather_dim)`` over ``group`` (WORLD when None) and ``[A @ B_i]`` for the
+    weights ``bs`` ([K, N_i] each, sharing the one gather); returns ``(A or None, outputs)``.
+
+    Differentiable in ``a_shard`` and every weight: the input gradient is a GEMM + reduce-scatter.
+    """
+    check_tensor("a_shard", a_shard)
+    check_dtype("a_shard", a_shard.dtype, _DTYPES)
+    if a_shard.dim() < 2:
+        raise ValueError(
+            f"a_shard must have a leading and a feature dimension, got shape {tuple(a_shard.shape)}"
+        )
+    gather_dim = _leading_dim("gather_dim", gather_dim, a_shard)
+    if isinstance(bs, torch.Tensor) or not bs:
+        raise ValueError("bs must be a non-empty sequence of [K, N] weights")
+    for i, b in enumerate(bs):
+        _check_weight(f"bs[{i}]", b, a_shard)
+    a, *outs = _AllGatherMatmul.apply(a_shard, gather_dim, _group_name(group), *bs)
+    return (a if return_a else None), outs
+
+
+def fused_matmul_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scatter_dim: int,
+    group: dist.ProcessGroup | None = None,
+    reduce_op: str = "sum",
+) -> torch.Tensor:
+    """``reduce_scatter(a @ b, scatter_dim)`` over ``group`` (WORLD when None): this rank's shard of the
+    partial products summed (``reduce_op="sum"``) or averaged (``"avg"``) over the group.
+
+    ``a`` [..., K], ``b`` [K, N]; ``a.shape[scatter_dim]`` must divide by the group size. Differentiable
+    in ``a`` and ``b``: the input gradient is an all-gather + GEMM.
+    """
+    check_tensor("a", a)
+    check_dtype("a", a.dtype, _DTYPES)
+    if a.dim() < 2:
+        raise ValueError(f"a must have a leading and a feature dimension, got shape {tuple(a.shape)}")
+    scatter_dim = _leading_dim("scatter_dim", scatter_dim, a)
+    _check_weight("b", b, a)
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"reduce_op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
+    name = _group_name(group)
+    world = dist.get_world_size(group)
+    if a.shape[scatter_dim] % world:
+        raise ValueError(
+            f"a.shape[{scatter_dim}] = {a.shape[scatter_dim]} must divide by the group size {world}"
+        )
+    return _MatmulReduceScatter.apply(a, b, scatter_dim, name, reduce_op)

@@ -1,0 +1,190 @@
+"""Async-TP ops over 2 gloo processes on the CPU (NCCL ranks on GPU machines run the same bodies) against
+all_gather / matmul / reduce_scatter references that every rank computes from all ranks' seeds: several
+weights sharing one gather, gather and scatter along a non-leading dimension, odd row counts per rank,
+gradients of the input and every weight, opcheck and a fullgraph compile, and bad input."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
+    fused_all_gather_matmul_impl,
+    fused_matmul_reduce_scatter_impl,
+)
+from primus_turbo.pytorch.ops import fused_all_gather_matmul, fused_matmul_reduce_scatter
+
+K, N = 16, 12
+
+
+def _worker(rank: int, world: int, store: str, body_name: str, args: tuple) -> None:
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    globals()[body_name](rank, world, *args)  # an exception reaches mp.spawn, which reports it
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's threads can abort interpreter teardown
+
+
+def _spawn(world: int, body, *args) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        mp.spawn(_worker, args=(world, store, body.__name__, args), nprocs=world, join=True)
+
+
+def _shard(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(10 + rank)).to(dtype)
+
+
+def _weights(count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(K, N + 2 * i, generator=gen) / K**0.5).to(dtype) for i in range(count)]
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    return dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+
+
+def _all_gather_matmul_body(rank, world, shape, gather_dim, count, dtype, return_a) -> None:
+    shard = _shard(rank, shape, dtype).requires_grad_()
+    bs = [b.requires_grad_() for b in _weights(count, dtype)]
+    a, outs = fused_all_gather_matmul(shard, bs, gather_dim, dist.group.WORLD, return_a=return_a)
+    # the reference: every rank's shard (same seeds), gathered, in fp64
+    full = torch.cat([_shard(r, shape, dtype).double() for r in range(world)], dim=gather_dim)
+    full.requires_grad_()
+    ref_bs = [b.detach().double().requires_grad_() for b in bs]
+    ref_outs = [full @ b for b in ref_bs]
+    if return_a:
+        torch.testing.assert_close(a, full.detach().to(dtype), rtol=0, atol=0)
+    else:
+        assert a is None
+    for out, ref in zip(outs, ref_outs, strict=True):
+        torch.testing.assert_close(out.double(), ref.detach(), **_tolerance(dtype))
+    # the same upstream gradient on every rank: each rank holds the whole output
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(ref.shape, generator=gen).to(dtype) for ref in ref_outs]
+    loss = sum((o * g).sum() for o, g in zip(outs, grads, strict=True))
+    if return_a:  # a gradient through the returned A as well
+        loss = loss + a.sum()
+    loss.backward()
+    ref_loss = sum((o * g.double()).sum() for o, g in zip(ref_outs, grads, strict=True))
+    if return_a:
+        ref_loss = ref_loss + full.sum()
+    ref_loss.backward()
+    # an all-gather's gradient is the reduce-scatter: the sum over ranks of each rank's (equal) gradient
+    mine = full.grad.narrow(gather_dim, rank * shape[gather_dim], shape[gather_dim]) * world
+    torch.testing.assert_close(shard.grad.double(), mine, **_tolerance(dtype))
+    for b, ref_b in zip(bs, ref_bs, strict=True):
+        torch.testing.assert_close(b.grad.double(), ref_b.grad, **_tolerance(dtype))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "shape, gather_dim, count, dtype, return_a",
+    [
+        ((3, K), 0, 1, torch.float32, True),  # an odd row count per rank
+        ((5, 2, K), 0, 3, torch.float32, False),  # [s, b, h] and three weights sharing the gather
+        ((2, 3, K), 1, 2, torch.float32, True),  # gathered along the second dimension
+        ((4, K), 0, 1, torch.bfloat16, False),
+    ],
+)
+def test_fused_all_gather_matmul(shape, gather_dim, count, dtype, return_a):
+    _spawn(2, _all_gather_matmul_body, shape, gather_dim, count, dtype, return_a)
+
+
+def _matmul_reduce_scatter_body(rank, world, shape, scatter_dim, dtype, reduce_op) -> None:
+    a = _shard(rank, shape, dtype).requires_grad_()
+    (b,) = _weights(1, dtype)
+    b = (b + 0.1 * rank).requires_grad_()  # each rank's own weight shard, as in a row-parallel linear
+    out = fused_matmul_reduce_scatter(a, b, scatter_dim, dist.group.WORLD, reduce_op)
+    ref_as = [_shard(r, shape, dtype).double().requires_grad_() for r in range(world)]
+    ref_bs = [(_weights(1, dtype)[0] + 0.1 * r).double().requires_grad_() for r in range(world)]
+    total = sum(x @ w for x, w in zip(ref_as, ref_bs, strict=True))
+    if reduce_op == "avg":
+        total = total / world
+    rows = shape[scatter_dim] // world
+    ref = total.narrow(scatter_dim, rank * rows, rows)
+    torch.testing.assert_close(out.double(), ref.detach(), **_tolerance(dtype))
+    # rank r's upstream gradient for its own shard; the reference sums the shards' losses
+    shard_grads = [
+        torch.randn(ref.shape, generator=torch.Generator().manual_seed(20 + r)) for r in range(world)
+    ]
+    (out * shard_grads[rank].to(dtype)).sum().backward()
+    ref_loss = sum(
+        (total.narrow(scatter_dim, r * rows, rows) * shard_grads[r].double()).sum() for r in range(world)
+    )
+    ref_loss.backward()
+    torch.testing.assert_close(a.grad.double(), ref_as[rank].grad, **_tolerance(dtype))
+    torch.testing.assert_close(b.grad.double(), ref_bs[rank].grad, **_tolerance(dtype))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "shape, scatter_dim, dtype, reduce_op",
+    [
+        ((6, K), 0, torch.float32, "sum"),  # 3 rows per rank: odd
+        ((4, 3, K), 0, torch.float32, "avg"),
+        ((3, 4, K), 1, torch.float32, "sum"),
+        ((8, K), 0, torch.bfloat16, "sum"),
+    ],
+)
+def test_fused_matmul_reduce_scatter(shape, scatter_dim, dtype, reduce_op):
+    _spawn(2, _matmul_reduce_scatter_body, shape, scatter_dim, dtype, reduce_op)
+
+
+def _bad_input_body(rank, world) -> None:
+    group = dist.group.WORLD
+    a, (b,) = torch.randn(4, K), _weights(1, torch.float32)
+    with pytest.raises(ValueError, match="leading dimensions"):
+        fused_all_gather_matmul(a, [b], 1, group)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        fused_all_gather_matmul(a, [], 0, group)
+    with pytest.raises(ValueError, match=r"\[K, N\] with K"):
+        fused_all_gather_matmul(a, [b.t()], 0, group)
+    with pytest.raises(TypeError, match="a's dtype"):
+        fused_all_gather_matmul(a, [b.double()], 0, group)
+    with pytest.raises(TypeError, match="a_shard must be one of"):
+        fused_all_gather_matmul(a.long(), [b], 0, group)
+    with pytest.raises(ValueError, match="divide by the group size"):
+        fused_matmul_reduce_scatter(torch.randn(3, K), b, 0, group)
+    with pytest.raises(ValueError, match="reduce_op must be one of"):
+        fused_matmul_reduce_scatter(a, b, 0, group, "max")
+
+
+@pytest.mark.multigpu
+def test_bad_input_raises():
+    _spawn(2, _bad_input_body)
+
+
+def _opcheck_and_compile_body(rank, world) -> None:
+    group = dist.group.WORLD
+    name = group.group_name
+    a, bs = _shard(rank, (4, K), torch.float32), _weights(2, torch.float32)
+    torch.library.opcheck(fused_all_gather_matmul_impl, (a, bs, 0, name), test_utils=("test_schema",
+                          "test_faketensor", "test_aot_dispatch_static"))  # fmt: skip
+    torch.library.opcheck(fused_matmul_reduce_scatter_impl, (a, bs[0], 0, name, "sum"), test_utils=(
+        "test_schema", "test_faketensor", "test_aot_dispatch_static"))  # fmt: skip
+
+    def step(x, w0, w1):
+        _, outs = fused_all_gather_matmul(x, [w0, w1], 0, group, return_a=False)
+        return fused_matmul_reduce_scatter(outs[0], w0.t().contiguous(), 0, group).sum() + outs[1].sum()
+
+    leaves = [t.clone().requires_grad_() for t in (a, *bs)]
+    eager = [t.clone().requires_grad_() for t in (a, *bs)]
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
+    step(*eager).backward()
+    for got, want in zip(leaves, eager, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multigpu
+def test_opcheck_and_compile():
+    _spawn(2, _opcheck_and_compile_body)
