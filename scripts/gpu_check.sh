@@ -39,6 +39,9 @@
 #   EP=1                the multi-process tests (NCCL), then dispatch / combine across every visible GPU on the
 #                       TORCH and TURBO backends against Megatron's all-to-all path, bf16 and FP8
 #                       (bench_moe_dispatch.py; needs 2+ GPUs)
+#   ASYNC_TP=1          the async-TP tests (NCCL), then all-gather + GEMM and GEMM + reduce-scatter at the
+#                       Llama-3-70B shapes across every visible GPU against the sequential path and PyTorch's
+#                       symmetric-memory ops (bench_async_tp.py; needs 2+ GPUs)
 #   E2E=1               Megatron MoE GPT training throughput, Turbo against the local spec (benchmark/e2e;
 #                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_NPROC, default 1)
 #   MEGATRON=1          install the carried megatron-core wheel (.whl/, name .whl in carry) into /tmp/site first
@@ -176,6 +179,14 @@ if [ "${MOE:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_moe_permute \
     -o "$OUT/moe_permute.csv" 2>&1 | tee "$OUT/bench_moe_permute.log" || status=1
 fi
+if [ "${ASYNC_TP:-0}" = 1 ]; then
+  timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest tests/pytorch/distributed/test_async_tp.py --dist-only -q \
+    -p no:cacheprovider > "$OUT/tests_async_tp.log" 2>&1 || status=1
+  tail -n 5 "$OUT/tests_async_tp.log"
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_async_tp -o "$OUT/async_tp.csv" 2>&1 \
+    | tee "$OUT/bench_async_tp.log" || status=1
+fi
+
 if [ "${EP:-0}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest tests/pytorch/distributed --dist-only -q -p no:cacheprovider \
     > "$OUT/tests_dist.log" 2>&1 || status=1

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -33,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, write_csv
+from benchmark.ops.training.bench_utils import platform_name, timed_across_ranks, write_csv
 
 LOG = logging.getLogger("bench_moe_dispatch")
 
@@ -58,30 +56,6 @@ def megatron_combine(y: torch.Tensor, handle: tuple, group: dist.ProcessGroup) -
     dist.all_to_all_single(back, y, send_list, recv_list, group=group)
     out = torch.zeros((tokens, y.shape[1]), dtype=torch.float32, device=y.device)
     return out.index_add_(0, order, back.float()).to(y.dtype)
-
-
-def _timed(fns: dict[str, Callable[[], object]], iters: int, device: str) -> dict[str, float]:
-    """Median milliseconds per call of each function on this rank, interleaved, barriers around calls."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up: compilation and buffers outside the timing
-        fn()
-    for j in range(iters):
-        names = list(fns)
-        for name in names[j % len(names) :] + names[: j % len(names)]:
-            dist.barrier()
-            if device == "cuda":
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fns[name]()
-                end.record()
-                end.synchronize()
-                samples[name].append(start.elapsed_time(end))
-            else:
-                begin = time.perf_counter()
-                fns[name]()
-                samples[name].append((time.perf_counter() - begin) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
@@ -134,7 +108,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
         worst_out = torch.randn(worst_rows, args.hidden, generator=gen).to(device, torch.bfloat16)
         fns["dispatch (num_worst_tokens)"] = lambda: dispatch(worst)
         fns["combine (num_worst_tokens)"] = lambda: buffer.combine(worst_out, worst_handle)
-    times = _timed(fns, args.iters, args.device)
+    times = timed_across_ranks(fns, args.iters, args.device)
     names = list(times)
     slowest = torch.tensor([times[n] for n in names], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from benchmark.ops.training.config import GemmShape
 
@@ -215,3 +216,27 @@ def copy_ms(nbytes: int, device: str, graph: bool) -> float:
     with timing_stream(graph):
         (ms,) = time_interleaved([cycling(calls)], None, device, graph)
     return ms
+
+
+def timed_across_ranks(fns: dict[str, Callable[[], object]], iters: int, device: str) -> dict[str, float]:
+    """Median milliseconds per call of each function on this rank, interleaved, barriers around calls."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up: compilation and buffers outside the timing
+        fn()
+    for j in range(iters):
+        names = list(fns)
+        for name in names[j % len(names) :] + names[: j % len(names)]:
+            dist.barrier()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fns[name]()
+                samples[name].append((time.perf_counter() - begin) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -180,3 +180,42 @@ def gemm_shape_set(name: str) -> list[GemmShape]:
     for shape in shapes:
         unique.setdefault((shape.M, shape.N, shape.K), shape)
     return list(unique.values())
+
+
+@dataclass(frozen=True)
+class TPShape:
+    """One tensor-parallel GEMM and its collective: out (M, N) = a (M, K) @ w (K, N), with M the tokens of
+    the whole group and N (column-parallel, after an all-gather) or K (row-parallel, before a
+    reduce-scatter) already this rank's share."""
+
+    model: str
+    gemm: str
+    kind: str  # "all-gather" or "reduce-scatter"
+    M: int
+    N: int
+    K: int
+
+
+ASYNC_TP_SHAPE_SETS = ("llama70b", "tiny")
+
+
+def async_tp_shapes(name: str, tp: int) -> list[TPShape]:
+    """``llama70b``: Llama-3-70B's QKV, up and gate+up (all-gather + GEMM) and attn-out and down
+    (GEMM + reduce-scatter) at 4096, 8192 and 16384 tokens; ``tiny``: one of each for CPU smoke runs."""
+    if name == "tiny":
+        return [TPShape("tiny", "fc1", "all-gather", 64, 96 // tp, 64),
+                TPShape("tiny", "fc2", "reduce-scatter", 64, 64, 96 // tp)]  # fmt: skip
+    if name != "llama70b":
+        raise ValueError(f"unknown async-TP shape set {name!r}; choose from {ASYNC_TP_SHAPE_SETS}")
+    m = DENSE_MODELS["Llama-3-70B"]
+    column = [
+        ("QKV", (m.num_heads + 2 * m.num_kv_heads) * m.head_dim),
+        ("up", m.intermediate),
+        ("gate+up", 2 * m.intermediate),
+    ]
+    row = [("attn-out", m.num_heads * m.head_dim), ("down", m.intermediate)]
+    shapes = []
+    for tokens in (4096, 8192, 16384):
+        shapes += [TPShape(m.name, g, "all-gather", tokens, n // tp, m.hidden) for g, n in column]
+        shapes += [TPShape(m.name, g, "reduce-scatter", tokens, m.hidden, k // tp) for g, k in row]
+    return shapes
