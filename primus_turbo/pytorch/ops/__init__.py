@@ -8,7 +8,11 @@ from primus_turbo.pytorch.ops.activation import (
     swiglu_fp8,
     swiglu_with_probs,
 )
-from primus_turbo.pytorch.ops.async_tp import fused_all_gather_matmul, fused_matmul_reduce_scatter
+from primus_turbo.pytorch.ops.async_tp import (
+    fused_all_gather_matmul,
+    fused_all_gather_scaled_matmul,
+    fused_matmul_reduce_scatter,
+)
 from primus_turbo.pytorch.ops.attention import flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_func
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
@@ -42,6 +46,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "fused_all_gather_matmul",
+    "fused_all_gather_scaled_matmul",
     "fused_group_topk_routing_with_aux_score",
     "fused_matmul_reduce_scatter",
     "geglu",

@@ -19,13 +19,15 @@ from primus_turbo.pytorch.core.validation import check_dtype, check_same_device,
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     REDUCE_OPS,
     fused_all_gather_matmul_impl,
+    fused_all_gather_scaled_matmul_impl,
     fused_matmul_reduce_scatter_impl,
 )
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_impl
 
-__all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
+__all__ = ["fused_all_gather_matmul", "fused_all_gather_scaled_matmul", "fused_matmul_reduce_scatter"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
@@ -144,6 +146,58 @@ def fused_all_gather_matmul(
         _check_weight(f"bs[{i}]", b, a_shard)
     a, *outs = _AllGatherMatmul.apply(a_shard, gather_dim, _group_name(group), *bs)
     return (a if return_a else None), outs
+
+
+def fused_all_gather_scaled_matmul(
+    a_shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    a_scale: torch.Tensor,
+    b_scales: Sequence[torch.Tensor],
+    gather_dim: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    return_a: bool = True,
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor]]:
+    """FP8 all-gather + GEMM: ``A = all_gather(a_shard)`` with its scales gathered alongside, and
+    ``[(A * s_A) @ (B_i * s_Bi)]`` in ``out_dtype``; returns ``((A, A's row scales) or None, outputs)``.
+
+    ``a_shard`` FP8 [..., K] with ``a_scale`` (the dequantising multiplier) tensorwise (0-d; each rank's
+    own) or row-wise ([..., 1]); ``bs`` FP8 [K, N_i] column-major (the transpose of a row-major [N_i, K]
+    weight, as ``torch._scaled_mm`` takes it) with ``b_scales`` 0-d or one per output column. Inputs are
+    already quantized, so the op has no autograd (as PyTorch's ``fused_all_gather_scaled_matmul``).
+    """
+    check_tensor("a_shard", a_shard)
+    check_dtype("a_shard", a_shard.dtype, _FP8_DTYPES)
+    if a_shard.dim() < 2:
+        raise ValueError(f"a_shard needs a leading and a feature dimension, got shape {tuple(a_shard.shape)}")
+    gather_dim = _leading_dim("gather_dim", gather_dim, a_shard)
+    check_tensor("a_scale", a_scale)
+    if a_scale.dim() and tuple(a_scale.shape) != (*a_shard.shape[:-1], 1):
+        raise ValueError(
+            f"a_scale must be 0-d (tensorwise) or {(*a_shard.shape[:-1], 1)} (row-wise), "
+            f"got {tuple(a_scale.shape)}"
+        )
+    check_dtype("out_dtype", out_dtype, _DTYPES)
+    if isinstance(bs, torch.Tensor) or not bs or len(bs) != len(b_scales):
+        raise ValueError("bs must be a non-empty sequence of [K, N] FP8 weights, one b_scales entry each")
+    for i, (b, b_scale) in enumerate(zip(bs, b_scales, strict=True)):
+        check_tensor(f"bs[{i}]", b, dim=2)
+        check_dtype(f"bs[{i}]", b.dtype, _FP8_DTYPES)
+        if b.shape[0] != a_shard.shape[-1] or not b.t().is_contiguous():
+            raise ValueError(
+                f"bs[{i}] must be a column-major [K, N] FP8 weight with K = {a_shard.shape[-1]} (the "
+                f"transpose of a row-major [N, K] tensor), got shape {tuple(b.shape)}, strides {b.stride()}"
+            )
+        check_tensor(f"b_scales[{i}]", b_scale)
+        if b_scale.numel() not in (1, b.shape[1]):
+            raise ValueError(f"b_scales[{i}] must hold 1 or N = {b.shape[1]} scales, got {b_scale.numel()}")
+        check_same_device(a_shard=a_shard, **{f"bs[{i}]": b})
+    a, scales, *outs = call_op(
+        fused_all_gather_scaled_matmul_impl, a_shard, a_scale, list(bs), list(b_scales), gather_dim,
+        _group_name(group), out_dtype,
+    )  # fmt: skip
+    return ((a, scales) if return_a else None), outs
 
 
 def fused_matmul_reduce_scatter(

@@ -14,11 +14,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     fused_all_gather_matmul_impl,
+    fused_all_gather_scaled_matmul_impl,
     fused_matmul_reduce_scatter_impl,
 )
-from primus_turbo.pytorch.ops import fused_all_gather_matmul, fused_matmul_reduce_scatter
+from primus_turbo.pytorch.ops import (
+    fused_all_gather_matmul,
+    fused_all_gather_scaled_matmul,
+    fused_matmul_reduce_scatter,
+)
 
 K, N = 16, 12
 
@@ -140,6 +146,65 @@ def test_fused_matmul_reduce_scatter(shape, scatter_dim, dtype, reduce_op):
     _spawn(2, _matmul_reduce_scatter_body, shape, scatter_dim, dtype, reduce_op)
 
 
+def _quantized(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity):
+    """(FP8 ``x``, its dequantising scales: 0-d or one per row), quantized in plain PyTorch (the op under
+    test takes quantized inputs; this keeps the quantizer out of it)."""
+    rowwise = granularity is ScalingGranularity.ROWWISE
+    amax = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
+    scale = amax.float().clamp(min=1e-12) / torch.finfo(dtype).max
+    return (x / scale).to(dtype), scale
+
+
+def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    noise = (got.double() - want.double()).pow(2).sum()
+    return float(10 * torch.log10(want.double().pow(2).sum() / noise))
+
+
+def _all_gather_scaled_matmul_body(rank, world, shape, gather_dim, a_gran, b_gran, dtype, return_a) -> None:
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(N + 4 * i, K, generator=gen) for i in range(2)]  # row-major [N, K]
+    quantized = [_quantized(w, dtype, b_gran) for w in weights]
+    bs = [q.t() for q, _ in quantized]  # column-major [K, N]
+    b_scales = [s.reshape(-1) if s.dim() else s for _, s in quantized]
+    shard = _shard(rank, shape, torch.float32) * (1 + rank)  # tensorwise scales differ per rank
+    q, scale = _quantized(shard, dtype, a_gran)
+    got_a, outs = fused_all_gather_scaled_matmul(q, bs, scale, b_scales, gather_dim, dist.group.WORLD,
+                                                 return_a=return_a)  # fmt: skip
+    shards = [_quantized(_shard(r, shape, torch.float32) * (1 + r), dtype, a_gran) for r in range(world)]
+    dequant = torch.cat([(qr.float() * sr).double() for qr, sr in shards], dim=gather_dim)
+    exact = torch.cat(
+        [_shard(r, shape, torch.float32).double() * (1 + r) for r in range(world)], dim=gather_dim
+    )
+    if return_a:
+        a, row_scales = got_a
+        assert torch.equal(
+            a.view(torch.uint8), torch.cat([qr for qr, _ in shards], gather_dim).view(torch.uint8)
+        )
+        torch.testing.assert_close((a.float() * row_scales).double(), dequant, rtol=0, atol=0)
+    else:
+        assert got_a is None
+    for out, (qb, sb), w in zip(outs, quantized, weights, strict=True):
+        assert out.dtype == torch.bfloat16
+        reference = dequant @ (qb.double() * (sb.double() if sb.dim() else sb.double())).t()
+        torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-2)  # the GEMM: bf16 output
+        floor = 25 if dtype == torch.float8_e4m3fn else 20
+        snr = _snr_db(out, exact @ w.double().t())
+        assert snr >= floor, f"SNR {snr:.1f} dB < {floor}"  # against the unquantized product
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "shape, gather_dim, a_gran, b_gran, dtype, return_a",
+    [
+        ((3, K), 0, ScalingGranularity.TENSORWISE, ScalingGranularity.TENSORWISE, torch.float8_e4m3fn, True),
+        ((4, 2, K), 0, ScalingGranularity.ROWWISE, ScalingGranularity.ROWWISE, torch.float8_e4m3fn, False),
+        ((2, 3, K), 1, ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE, torch.float8_e5m2, True),
+    ],
+)
+def test_fused_all_gather_scaled_matmul(shape, gather_dim, a_gran, b_gran, dtype, return_a):
+    _spawn(2, _all_gather_scaled_matmul_body, shape, gather_dim, a_gran, b_gran, dtype, return_a)
+
+
 def _bad_input_body(rank, world) -> None:
     group = dist.group.WORLD
     a, (b,) = torch.randn(4, K), _weights(1, torch.float32)
@@ -157,6 +222,16 @@ def _bad_input_body(rank, world) -> None:
         fused_matmul_reduce_scatter(torch.randn(3, K), b, 0, group)
     with pytest.raises(ValueError, match="reduce_op must be one of"):
         fused_matmul_reduce_scatter(a, b, 0, group, "max")
+    q, scale = _quantized(a, torch.float8_e4m3fn, ScalingGranularity.ROWWISE)
+    qb, sb = _quantized(b.t().contiguous(), torch.float8_e4m3fn, ScalingGranularity.TENSORWISE)
+    with pytest.raises(TypeError, match="a_shard must be one of"):
+        fused_all_gather_scaled_matmul(a, [qb.t()], scale, [sb], 0, group)
+    with pytest.raises(ValueError, match="column-major"):
+        fused_all_gather_scaled_matmul(q, [qb.t().contiguous()], scale, [sb], 0, group)
+    with pytest.raises(ValueError, match="row-wise"):
+        fused_all_gather_scaled_matmul(q, [qb.t()], scale[:2], [sb], 0, group)
+    with pytest.raises(ValueError, match="one b_scales entry each"):
+        fused_all_gather_scaled_matmul(q, [qb.t()], scale, [], 0, group)
 
 
 @pytest.mark.multigpu
@@ -172,6 +247,19 @@ def _opcheck_and_compile_body(rank, world) -> None:
                           "test_faketensor", "test_aot_dispatch_static"))  # fmt: skip
     torch.library.opcheck(fused_matmul_reduce_scatter_impl, (a, bs[0], 0, name, "sum"), test_utils=(
         "test_schema", "test_faketensor", "test_aot_dispatch_static"))  # fmt: skip
+    q, scale = _quantized(a, torch.float8_e4m3fn, ScalingGranularity.ROWWISE)
+    qb, sb = _quantized(bs[0].t().contiguous(), torch.float8_e4m3fn, ScalingGranularity.ROWWISE)
+    args = (q, scale, [qb.t()], [sb.reshape(-1)], 0, name, torch.bfloat16)
+    # opcheck's schema test multiplies every input, which torch does not implement for fp8 dtypes
+    checks = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_static")
+    torch.library.opcheck(fused_all_gather_scaled_matmul_impl, args, test_utils=checks)
+    compiled = torch.compile(
+        lambda *t: fused_all_gather_scaled_matmul(t[0], [t[2]], t[1], [t[3]], 0, group)[1][0],
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    eager = fused_all_gather_scaled_matmul(q, [qb.t()], scale, [sb.reshape(-1)], 0, group)[1][0]
+    assert torch.equal(compiled(q, scale, qb.t(), sb.reshape(-1)), eager)
 
     def step(x, w0, w1):
         _, outs = fused_all_gather_matmul(x, [w0, w1], 0, group, return_a=False)

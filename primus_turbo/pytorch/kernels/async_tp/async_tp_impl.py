@@ -1,10 +1,12 @@
-"""Custom ops ``primus_turbo::fused_all_gather_matmul`` / ``primus_turbo::fused_matmul_reduce_scatter``.
+"""Custom ops ``primus_turbo::fused_all_gather_matmul``, ``fused_all_gather_scaled_matmul`` and
+``fused_matmul_reduce_scatter``.
 
 ``fused_all_gather_matmul``: ``A = all_gather(A_shard, gather_dim)`` and ``C_i = A @ B_i`` for weights
-``B_i`` [K, N_i] sharing the one gather. ``fused_matmul_reduce_scatter``: ``C = reduce_scatter(A @ B,
-scatter_dim)``. The process group travels as its name (``ProcessGroup.group_name``) so the ops have a
-schema ``torch.compile`` can capture. Backends: TORCH runs the collective, then this library's GEMM, on
-any process group (NCCL, gloo).
+``B_i`` [K, N_i] sharing the one gather; ``fused_all_gather_scaled_matmul`` the same on FP8 operands, A's
+scales gathered with it. ``fused_matmul_reduce_scatter``: ``C = reduce_scatter(A @ B, scatter_dim)``.
+The process group travels as its name (``ProcessGroup.group_name``) so the ops have a schema
+``torch.compile`` can capture. Backends: TORCH runs the collective, then this library's GEMM, on any
+process group (NCCL, gloo).
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
 from primus_turbo.pytorch.core.custom_op import call_op, custom_op
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_impl
 
 __all__ = [
     "AllGatherMatmulDispatcher",
+    "AllGatherScaledMatmulDispatcher",
     "MatmulReduceScatterDispatcher",
     "REDUCE_OPS",
     "fused_all_gather_matmul_impl",
+    "fused_all_gather_scaled_matmul_impl",
     "fused_matmul_reduce_scatter_impl",
     "group_size",
 ]
@@ -82,6 +88,36 @@ class TorchAllGatherMatmulBackend(KernelBackend):
         return [a, *(_matmul(a, b) for b in bs)]
 
 
+def _row_scales(a_shard: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
+    """A's scales as one per row ([..., 1] float32): a tensorwise scale repeated over the shard's rows."""
+    shape = (*a_shard.shape[:-1], 1)
+    return a_scale.float().reshape(shape if a_scale.dim() else (1,) * len(shape)).expand(shape).contiguous()
+
+
+def _column_scales(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """B's scales as one per output column, (N, 1) float32, the layout the FP8 GEMM takes."""
+    return b_scale.float().reshape(-1, 1).expand(b.shape[1], 1).contiguous()
+
+
+class TorchAllGatherScaledMatmulBackend(KernelBackend):
+    """The all-gather of the FP8 rows and their scales (bytes: any process group), then one row-wise
+    scaled GEMM per weight."""
+
+    autotune = False
+
+    @staticmethod
+    def execute(a_shard, a_scale, bs, b_scales, gather_dim, group, out_dtype, **_: Any) -> list[torch.Tensor]:
+        a = _all_gather(a_shard.view(torch.uint8), gather_dim, group).view(a_shard.dtype)
+        scales = _all_gather(_row_scales(a_shard, a_scale), gather_dim, group)
+        flat, flat_scales = a.reshape(-1, a.shape[-1]), scales.reshape(-1, 1)
+        outs = []
+        for b, b_scale in zip(bs, b_scales, strict=True):
+            out = call_op(gemm_fp8_impl, flat, flat_scales, b.t(), _column_scales(b, b_scale), out_dtype,
+                          ScalingGranularity.ROWWISE.value, 0, False, False)  # fmt: skip
+            outs.append(out.view(*a.shape[:-1], b.shape[1]))
+        return [a, scales, *outs]
+
+
 class TorchMatmulReduceScatterBackend(KernelBackend):
     """The GEMM, then the reduce-scatter: no overlap, any process group."""
 
@@ -101,6 +137,22 @@ class AllGatherMatmulDispatcher(AutoKernelDispatcher):
     @classmethod
     def make_key(cls, a_shard, bs, gather_dim, group, **_: Any) -> Hashable:
         return (a_shard.device.type, tuple(a_shard.shape), tuple(tuple(b.shape) for b in bs), gather_dim)
+
+    @classmethod
+    def default_backend(cls, **_: Any) -> BackendType:
+        return BackendType.TORCH
+
+
+class AllGatherScaledMatmulDispatcher(AutoKernelDispatcher):
+    """Backend choice for all-gather + FP8 GEMM."""
+
+    op_name = "fused_all_gather_scaled_matmul"
+    backends = {BackendType.TORCH: TorchAllGatherScaledMatmulBackend}
+
+    @classmethod
+    def make_key(cls, a_shard, bs, gather_dim, out_dtype, **_: Any) -> Hashable:
+        shapes = tuple(tuple(b.shape) for b in bs)
+        return (a_shard.device.type, tuple(a_shard.shape), a_shard.dtype, shapes, gather_dim, out_dtype)
 
     @classmethod
     def default_backend(cls, **_: Any) -> BackendType:
@@ -137,6 +189,37 @@ def fused_all_gather_matmul_impl(
 def _fused_all_gather_matmul_fake(a_shard, bs, gather_dim, group_name):
     shape = _gathered_shape(a_shard, gather_dim, group_size(group_name))
     return [a_shard.new_empty(shape), *(a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs)]
+
+
+@custom_op("primus_turbo::fused_all_gather_scaled_matmul", mutates_args=())
+def fused_all_gather_scaled_matmul_impl(
+    a_shard: torch.Tensor,
+    a_scale: torch.Tensor,
+    bs: list[torch.Tensor],
+    b_scales: list[torch.Tensor],
+    gather_dim: int,
+    group_name: str,
+    out_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """``[A, A's row scales, (A * s_A) @ (B_0 * s_B0), ...]`` with ``A`` and its scales gathered along
+    ``gather_dim`` over ``group_name``; FP8 ``B_i`` [K, N_i] column-major, scales 0-d or one per column."""
+    return AllGatherScaledMatmulDispatcher.dispatch(
+        None,
+        a_shard=a_shard,
+        a_scale=a_scale,
+        bs=bs,
+        b_scales=b_scales,
+        gather_dim=gather_dim,
+        group=_resolve_process_group(group_name),
+        out_dtype=out_dtype,
+    )
+
+
+@fused_all_gather_scaled_matmul_impl.register_fake
+def _fused_all_gather_scaled_matmul_fake(a_shard, a_scale, bs, b_scales, gather_dim, group_name, out_dtype):
+    shape = _gathered_shape(a_shard, gather_dim, group_size(group_name))
+    outs = [a_shard.new_empty((*shape[:-1], b.shape[1]), dtype=out_dtype) for b in bs]
+    return [a_shard.new_empty(shape), a_shard.new_empty((*shape[:-1], 1), dtype=torch.float32), *outs]
 
 
 @custom_op("primus_turbo::fused_matmul_reduce_scatter", mutates_args=())
