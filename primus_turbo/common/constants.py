@@ -1,6 +1,7 @@
 """Names of every environment variable the library reads, in one place."""
 
 __all__ = [
+    "ENV_ASYNC_TP_BACKEND",
     "ENV_ATTN_BACKEND",
     "ENV_AUTO_TUNE",
     "ENV_DEBUG_CHECKS",
@@ -17,6 +18,7 @@ ENV_GEMM_BACKEND = "PRIMUS_TURBO_GEMM_BACKEND"
 ENV_GROUPED_GEMM_BACKEND = "PRIMUS_TURBO_GROUPED_GEMM_BACKEND"
 ENV_ATTN_BACKEND = "PRIMUS_TURBO_ATTN_BACKEND"
 ENV_MOE_DISPATCH_COMBINE_BACKEND = "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND"
+ENV_ASYNC_TP_BACKEND = "PRIMUS_TURBO_ASYNC_TP_BACKEND"
 # "1" adds checks that need device values on the host (e.g. grouped GEMM group sizes): a sync per call.
 ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
 # "0" skips per-shape Triton autotuning: kernels launch one config picked by a heuristic.

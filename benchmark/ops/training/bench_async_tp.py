@@ -3,7 +3,10 @@
 One process per rank (NCCL on GPUs, gloo on the CPU for a smoke run). Per shape, timed per call,
 interleaved, each call between two barriers (the slowest rank's median):
 
-- ``turbo``: ``ops.fused_all_gather_matmul`` / ``ops.fused_matmul_reduce_scatter`` (the selected backend);
+- ``turbo``: ``ops.fused_all_gather_matmul`` / ``ops.fused_matmul_reduce_scatter`` (the selected backend,
+  ``PRIMUS_TURBO_ASYNC_TP_BACKEND``);
+- ``ring``: the TURBO backend (the GEMM overlapped with point-to-point transfers on a ring), called
+  directly;
 - ``sequential``: the NCCL collective, then cuBLAS (``torch.mm``), one after the other;
 - ``torch fused``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` /
   ``fused_matmul_reduce_scatter`` (GPUs only; symmetric memory without multicast);
@@ -47,6 +50,10 @@ def _torch_fused(shape: TPShape, a: torch.Tensor, b: torch.Tensor, group_name: s
 
 def _calls(shape: TPShape, world: int, device: torch.device) -> dict[str, Callable[[], object]]:
     """The timed functions of one shape on this rank."""
+    from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
+        RingAllGatherMatmulBackend,
+        RingMatmulReduceScatterBackend,
+    )
     from primus_turbo.pytorch.ops import fused_all_gather_matmul, fused_matmul_reduce_scatter
 
     group = dist.group.WORLD
@@ -58,6 +65,7 @@ def _calls(shape: TPShape, world: int, device: torch.device) -> dict[str, Callab
         gathered = a.new_empty(shape.M, shape.K)
         calls = {
             "turbo": lambda: fused_all_gather_matmul(a, [b], 0, group, return_a=False),
+            "ring": lambda: RingAllGatherMatmulBackend.execute(a_shard=a, bs=[b], gather_dim=0, group=group),
             "sequential": lambda: (dist.all_gather_into_tensor(gathered, a, group=group), gathered @ b),
             "comm": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
             "gemm": lambda: gathered @ b,
@@ -67,6 +75,9 @@ def _calls(shape: TPShape, world: int, device: torch.device) -> dict[str, Callab
         shard = a.new_empty(shape.M // world, shape.N)
         calls = {
             "turbo": lambda: fused_matmul_reduce_scatter(a, b, 0, group),
+            "ring": lambda: RingMatmulReduceScatterBackend.execute(
+                a=a, b=b, scatter_dim=0, group=group, reduce_op="sum"
+            ),
             "sequential": lambda: dist.reduce_scatter_tensor(shard, torch.mm(a, b, out=full), group=group),
             "comm": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
             "gemm": lambda: torch.mm(a, b, out=full),
@@ -88,10 +99,12 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
         ms = dict(zip(names, slowest.tolist(), strict=True))
         turbo, fused = ms["turbo"], ms.get("torch fused", float("nan"))
         row = {"Model": shape.model, "GEMM": shape.gemm, "Collective": shape.kind, "Ranks": world,
-               "M": shape.M, "N": shape.N, "K": shape.K, "turbo ms": turbo, "sequential ms": ms["sequential"],
+               "M": shape.M, "N": shape.N, "K": shape.K, "turbo ms": turbo, "ring ms": ms["ring"],
+               "sequential ms": ms["sequential"],
                "torch fused ms": fused, "comm ms": ms["comm"], "gemm ms": ms["gemm"],
                "vs sequential": ms["sequential"] / turbo, "vs torch fused": fused / turbo,
                "overlap efficiency": max(ms["comm"], ms["gemm"]) / turbo,
+               "ring vs sequential": ms["sequential"] / ms["ring"],
                "Platform": platform_name(args.device)}  # fmt: skip
         rows.append(row)
         if rank == 0:
@@ -107,8 +120,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     rows = _run(rank, world, args)
     if rows is not None:
-        columns = ["GEMM", "Collective", "M", "N", "K", "turbo ms", "sequential ms", "torch fused ms",
-                   "vs sequential", "vs torch fused", "overlap efficiency"]  # fmt: skip
+        columns = ["GEMM", "Collective", "M", "N", "K", "turbo ms", "ring ms", "sequential ms",
+                   "torch fused ms", "vs sequential", "vs torch fused", "ring vs sequential",
+                   "overlap efficiency"]  # fmt: skip
         print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
         write_csv(args.output, rows)
     dist.barrier()

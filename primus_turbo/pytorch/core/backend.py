@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from primus_turbo.common.constants import (
+    ENV_ASYNC_TP_BACKEND,
     ENV_ATTN_BACKEND,
     ENV_AUTO_TUNE,
     ENV_GEMM_BACKEND,
@@ -164,8 +165,10 @@ class GlobalBackendManager:
         "grouped_gemm": ENV_GROUPED_GEMM_BACKEND,
         "attn": ENV_ATTN_BACKEND,
         "moe_dispatch_combine": ENV_MOE_DISPATCH_COMBINE_BACKEND,
+        "async_tp": ENV_ASYNC_TP_BACKEND,
     }
-    _NO_AUTOTUNE_OPS: ClassVar[frozenset[str]] = frozenset({"moe_dispatch_combine"})
+    # collective ops: ranks timing on their own could pick different backends and wait on each other forever
+    _NO_AUTOTUNE_OPS: ClassVar[frozenset[str]] = frozenset({"moe_dispatch_combine", "async_tp"})
     _code: ClassVar[dict[str, dict[PrecisionType, BackendChoice]]] = {}
     _auto_tune: ClassVar[bool | None] = None
 
@@ -271,6 +274,16 @@ class GlobalBackendManager:
     @classmethod
     def get_moe_dispatch_combine_backend(cls, precision: PrecisionType) -> BackendChoice | None:
         return cls.get_backend("moe_dispatch_combine", precision)
+
+    @classmethod
+    def set_async_tp_backend(
+        cls, backend: BackendType | str | None = None, precision: PrecisionType | None = None
+    ) -> None:
+        cls.set_backend("async_tp", backend, precision)
+
+    @classmethod
+    def get_async_tp_backend(cls, precision: PrecisionType) -> BackendChoice | None:
+        return cls.get_backend("async_tp", precision)
 
     @classmethod
     def set_auto_tune(cls, enabled: bool | None) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from primus_turbo.pytorch.core.backend import GlobalBackendManager
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     fused_all_gather_matmul_impl,
@@ -59,7 +60,8 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
 
 
-def _all_gather_matmul_body(rank, world, shape, gather_dim, count, dtype, return_a) -> None:
+def _all_gather_matmul_body(rank, world, shape, gather_dim, count, dtype, return_a, backend) -> None:
+    GlobalBackendManager.set_async_tp_backend(backend)
     shard = _shard(rank, shape, dtype).requires_grad_()
     bs = [b.requires_grad_() for b in _weights(count, dtype)]
     a, outs = fused_all_gather_matmul(shard, bs, gather_dim, dist.group.WORLD, return_a=return_a)
@@ -93,20 +95,23 @@ def _all_gather_matmul_body(rank, world, shape, gather_dim, count, dtype, return
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["TORCH", "TURBO"])
 @pytest.mark.parametrize(
-    "shape, gather_dim, count, dtype, return_a",
+    "world, shape, gather_dim, count, dtype, return_a",
     [
-        ((3, K), 0, 1, torch.float32, True),  # an odd row count per rank
-        ((5, 2, K), 0, 3, torch.float32, False),  # [s, b, h] and three weights sharing the gather
-        ((2, 3, K), 1, 2, torch.float32, True),  # gathered along the second dimension
-        ((4, K), 0, 1, torch.bfloat16, False),
+        (2, (3, K), 0, 1, torch.float32, True),  # an odd row count per rank
+        (2, (5, 2, K), 0, 3, torch.float32, False),  # [s, b, h] and three weights sharing the gather
+        (2, (2, 3, K), 1, 2, torch.float32, True),  # gathered along the second dimension
+        (2, (4, K), 0, 1, torch.bfloat16, False),
+        (3, (3, 2, K), 0, 2, torch.float32, True),  # a ring of three
     ],
 )
-def test_fused_all_gather_matmul(shape, gather_dim, count, dtype, return_a):
-    _spawn(2, _all_gather_matmul_body, shape, gather_dim, count, dtype, return_a)
+def test_fused_all_gather_matmul(world, shape, gather_dim, count, dtype, return_a, backend):
+    _spawn(world, _all_gather_matmul_body, shape, gather_dim, count, dtype, return_a, backend)
 
 
-def _matmul_reduce_scatter_body(rank, world, shape, scatter_dim, dtype, reduce_op) -> None:
+def _matmul_reduce_scatter_body(rank, world, shape, scatter_dim, dtype, reduce_op, backend) -> None:
+    GlobalBackendManager.set_async_tp_backend(backend)
     a = _shard(rank, shape, dtype).requires_grad_()
     (b,) = _weights(1, dtype)
     b = (b + 0.1 * rank).requires_grad_()  # each rank's own weight shard, as in a row-parallel linear
@@ -133,17 +138,19 @@ def _matmul_reduce_scatter_body(rank, world, shape, scatter_dim, dtype, reduce_o
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["TORCH", "TURBO"])
 @pytest.mark.parametrize(
-    "shape, scatter_dim, dtype, reduce_op",
+    "world, shape, scatter_dim, dtype, reduce_op",
     [
-        ((6, K), 0, torch.float32, "sum"),  # 3 rows per rank: odd
-        ((4, 3, K), 0, torch.float32, "avg"),
-        ((3, 4, K), 1, torch.float32, "sum"),
-        ((8, K), 0, torch.bfloat16, "sum"),
+        (2, (6, K), 0, torch.float32, "sum"),  # 3 rows per rank: odd
+        (2, (4, 3, K), 0, torch.float32, "avg"),
+        (2, (3, 4, K), 1, torch.float32, "sum"),
+        (2, (8, K), 0, torch.bfloat16, "sum"),
+        (3, (6, 2, K), 0, torch.float32, "sum"),  # a ring of three
     ],
 )
-def test_fused_matmul_reduce_scatter(shape, scatter_dim, dtype, reduce_op):
-    _spawn(2, _matmul_reduce_scatter_body, shape, scatter_dim, dtype, reduce_op)
+def test_fused_matmul_reduce_scatter(world, shape, scatter_dim, dtype, reduce_op, backend):
+    _spawn(world, _matmul_reduce_scatter_body, shape, scatter_dim, dtype, reduce_op, backend)
 
 
 def _quantized(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity):

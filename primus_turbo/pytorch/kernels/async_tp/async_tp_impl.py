@@ -5,8 +5,11 @@
 ``B_i`` [K, N_i] sharing the one gather; ``fused_all_gather_scaled_matmul`` the same on FP8 operands, A's
 scales gathered with it. ``fused_matmul_reduce_scatter``: ``C = reduce_scatter(A @ B, scatter_dim)``.
 The process group travels as its name (``ProcessGroup.group_name``) so the ops have a schema
-``torch.compile`` can capture. Backends: TORCH runs the collective, then this library's GEMM, on any
-process group (NCCL, gloo).
+``torch.compile`` can capture. Backends (``PRIMUS_TURBO_ASYNC_TP_BACKEND`` or
+``GlobalBackendManager.set_async_tp_backend``; never autotuned, since every rank must pick the same one):
+TORCH runs the collective, then this library's GEMM; TURBO overlaps them on a ring of point-to-point
+transfers: each rank multiplies the chunk it holds while the next one arrives (all-gather), or sends
+its partial sums on while computing the next chunk's (reduce-scatter). Both run on any process group.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from primus_turbo.pytorch.core.backend import AutoKernelDispatcher, BackendType, KernelBackend
+from primus_turbo.pytorch.core.backend import (
+    AutoKernelDispatcher,
+    BackendType,
+    GlobalBackendManager,
+    KernelBackend,
+    precision_of,
+)
 from primus_turbo.pytorch.core.custom_op import call_op, custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_impl
@@ -118,6 +127,70 @@ class TorchAllGatherScaledMatmulBackend(KernelBackend):
         return [a, scales, *outs]
 
 
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> list[dist.Work]:
+    """Start sending ``send`` to the next rank of the ring and receiving ``recv`` from the previous one."""
+    rank, world = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % world)
+    prev = dist.get_global_rank(group, (rank - 1) % world)
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prev, group)]
+    )
+
+
+class RingAllGatherMatmulBackend(KernelBackend):
+    """The gather as a ring: at step ``s`` a rank multiplies the shard of rank ``r - s`` while it passes
+    that shard on and receives the one of rank ``r - s - 1``, straight into the gathered tensor."""
+
+    autotune = False
+
+    @staticmethod
+    def execute(a_shard, bs, gather_dim, group, **_: Any) -> list[torch.Tensor]:
+        world, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+        shard = a_shard.movedim(gather_dim, 0).contiguous()
+        rows = shard.shape[0]
+        gathered = shard.new_empty((world * rows, *shard.shape[1:]))
+        outs = [shard.new_empty((world * rows, *shard.shape[1:-1], b.shape[1])) for b in bs]
+        gathered[rank * rows : (rank + 1) * rows].copy_(shard)
+        for step in range(world):
+            held, coming = (rank - step) % world, (rank - step - 1) % world
+            chunk = gathered[held * rows : (held + 1) * rows]
+            works = []
+            if step < world - 1:
+                works = _exchange(chunk, gathered[coming * rows : (coming + 1) * rows], group)
+            for out, b in zip(outs, bs, strict=True):
+                out[held * rows : (held + 1) * rows] = _matmul(chunk, b)
+            for work in works:
+                work.wait()
+        return [t.movedim(0, gather_dim).contiguous() for t in (gathered, *outs)]
+
+
+class RingMatmulReduceScatterBackend(KernelBackend):
+    """The reduce-scatter as a ring: at step ``s`` a rank computes its partial product for chunk
+    ``r - s - 1`` while the running sum of that chunk arrives from the previous rank, adds it and passes
+    it on; after ``world - 1`` hops each chunk's sum ends on its owner."""
+
+    autotune = False
+
+    @staticmethod
+    def execute(a, b, scatter_dim, group, reduce_op, **_: Any) -> torch.Tensor:
+        world, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+        moved = a.movedim(scatter_dim, 0).contiguous()
+        rows = moved.shape[0] // world
+        running = None
+        for step in range(world):
+            chunk = (rank - step - 1) % world
+            # the transfer is queued before the GEMM, so the two run at once
+            incoming = None if running is None else torch.empty_like(running)
+            works = [] if running is None else _exchange(running, incoming, group)
+            partial = _matmul(moved[chunk * rows : (chunk + 1) * rows], b)
+            for work in works:
+                work.wait()
+            running = partial if incoming is None else partial.add_(incoming)
+        if reduce_op == "avg":
+            running.div_(world)
+        return running.movedim(0, scatter_dim).contiguous()
+
+
 class TorchMatmulReduceScatterBackend(KernelBackend):
     """The GEMM, then the reduce-scatter: no overlap, any process group."""
 
@@ -132,7 +205,7 @@ class AllGatherMatmulDispatcher(AutoKernelDispatcher):
     """Backend choice for all-gather + GEMM."""
 
     op_name = "fused_all_gather_matmul"
-    backends = {BackendType.TORCH: TorchAllGatherMatmulBackend}
+    backends = {BackendType.TORCH: TorchAllGatherMatmulBackend, BackendType.TURBO: RingAllGatherMatmulBackend}
 
     @classmethod
     def make_key(cls, a_shard, bs, gather_dim, group, **_: Any) -> Hashable:
@@ -163,7 +236,10 @@ class MatmulReduceScatterDispatcher(AutoKernelDispatcher):
     """Backend choice for GEMM + reduce-scatter."""
 
     op_name = "fused_matmul_reduce_scatter"
-    backends = {BackendType.TORCH: TorchMatmulReduceScatterBackend}
+    backends = {
+        BackendType.TORCH: TorchMatmulReduceScatterBackend,
+        BackendType.TURBO: RingMatmulReduceScatterBackend,
+    }
 
     @classmethod
     def make_key(cls, a, b, scatter_dim, group, reduce_op, **_: Any) -> Hashable:
@@ -180,8 +256,9 @@ def fused_all_gather_matmul_impl(
 ) -> list[torch.Tensor]:
     """``[A, A @ B_0, A @ B_1, ...]`` with ``A = all_gather(a_shard, gather_dim)`` over ``group_name``."""
     group = _resolve_process_group(group_name)
+    choice = GlobalBackendManager.get_async_tp_backend(precision_of(a_shard.dtype))
     return AllGatherMatmulDispatcher.dispatch(
-        None, a_shard=a_shard, bs=bs, gather_dim=gather_dim, group=group
+        choice, a_shard=a_shard, bs=bs, gather_dim=gather_dim, group=group
     )
 
 
@@ -228,8 +305,9 @@ def fused_matmul_reduce_scatter_impl(
 ) -> torch.Tensor:
     """``reduce_scatter(a @ b, scatter_dim)`` over ``group_name``, summed or averaged."""
     group = _resolve_process_group(group_name)
+    choice = GlobalBackendManager.get_async_tp_backend(precision_of(a.dtype))
     return MatmulReduceScatterDispatcher.dispatch(
-        None, a=a, b=b, scatter_dim=scatter_dim, group=group, reduce_op=reduce_op
+        choice, a=a, b=b, scatter_dim=scatter_dim, group=group, reduce_op=reduce_op
     )
 
 
