@@ -1,4 +1,4 @@
-"""Async-TP ops over 2 gloo processes on the CPU (NCCL ranks on GPU machines run the same bodies) against
+"""Async-TP ops over 2 and 3 gloo processes on the CPU (NCCL ranks where there is a GPU per rank) against
 all_gather / matmul / reduce_scatter references that every rank computes from all ranks' seeds: several
 weights sharing one gather, gather and scatter along a non-leading dimension, odd row counts per rank,
 gradients of the input and every weight, opcheck and a fullgraph compile, and bad input."""
@@ -28,11 +28,16 @@ from primus_turbo.pytorch.ops import (
 )
 
 K, N = 16, 12
+DEVICE = torch.device("cpu")  # each rank's device: its GPU under NCCL
 
 
 def _worker(rank: int, world: int, store: str, body_name: str, args: tuple) -> None:
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    global DEVICE
+    backend = "gloo"
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        torch.cuda.set_device(rank)
+        DEVICE, backend = torch.device("cuda", rank), "nccl"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     globals()[body_name](rank, world, *args)  # an exception reaches mp.spawn, which reports it
     dist.barrier()
     dist.destroy_process_group()
@@ -62,24 +67,24 @@ def _tolerance(dtype: torch.dtype) -> dict:
 
 def _all_gather_matmul_body(rank, world, shape, gather_dim, count, dtype, return_a, backend) -> None:
     GlobalBackendManager.set_async_tp_backend(backend)
-    shard = _shard(rank, shape, dtype).requires_grad_()
-    bs = [b.requires_grad_() for b in _weights(count, dtype)]
+    shard = _shard(rank, shape, dtype).to(DEVICE).requires_grad_()
+    bs = [b.to(DEVICE).requires_grad_() for b in _weights(count, dtype)]
     a, outs = fused_all_gather_matmul(shard, bs, gather_dim, dist.group.WORLD, return_a=return_a)
     # the reference: every rank's shard (same seeds), gathered, in fp64
     full = torch.cat([_shard(r, shape, dtype).double() for r in range(world)], dim=gather_dim)
     full.requires_grad_()
-    ref_bs = [b.detach().double().requires_grad_() for b in bs]
+    ref_bs = [b.detach().cpu().double().requires_grad_() for b in bs]
     ref_outs = [full @ b for b in ref_bs]
     if return_a:
-        torch.testing.assert_close(a, full.detach().to(dtype), rtol=0, atol=0)
+        torch.testing.assert_close(a.cpu(), full.detach().to(dtype), rtol=0, atol=0)
     else:
         assert a is None
     for out, ref in zip(outs, ref_outs, strict=True):
-        torch.testing.assert_close(out.double(), ref.detach(), **_tolerance(dtype))
+        torch.testing.assert_close(out.cpu().double(), ref.detach(), **_tolerance(dtype))
     # the same upstream gradient on every rank: each rank holds the whole output
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(ref.shape, generator=gen).to(dtype) for ref in ref_outs]
-    loss = sum((o * g).sum() for o, g in zip(outs, grads, strict=True))
+    loss = sum((o * g.to(DEVICE)).sum() for o, g in zip(outs, grads, strict=True))
     if return_a:  # a gradient through the returned A as well
         loss = loss + a.sum()
     loss.backward()
@@ -89,9 +94,9 @@ def _all_gather_matmul_body(rank, world, shape, gather_dim, count, dtype, return
     ref_loss.backward()
     # an all-gather's gradient is the reduce-scatter: the sum over ranks of each rank's (equal) gradient
     mine = full.grad.narrow(gather_dim, rank * shape[gather_dim], shape[gather_dim]) * world
-    torch.testing.assert_close(shard.grad.double(), mine, **_tolerance(dtype))
+    torch.testing.assert_close(shard.grad.cpu().double(), mine, **_tolerance(dtype))
     for b, ref_b in zip(bs, ref_bs, strict=True):
-        torch.testing.assert_close(b.grad.double(), ref_b.grad, **_tolerance(dtype))
+        torch.testing.assert_close(b.grad.cpu().double(), ref_b.grad, **_tolerance(dtype))
 
 
 @pytest.mark.multigpu
@@ -112,9 +117,9 @@ def test_fused_all_gather_matmul(world, shape, gather_dim, count, dtype, return_
 
 def _matmul_reduce_scatter_body(rank, world, shape, scatter_dim, dtype, reduce_op, backend) -> None:
     GlobalBackendManager.set_async_tp_backend(backend)
-    a = _shard(rank, shape, dtype).requires_grad_()
+    a = _shard(rank, shape, dtype).to(DEVICE).requires_grad_()
     (b,) = _weights(1, dtype)
-    b = (b + 0.1 * rank).requires_grad_()  # each rank's own weight shard, as in a row-parallel linear
+    b = (b + 0.1 * rank).to(DEVICE).requires_grad_()  # each rank's own weight shard (row-parallel)
     out = fused_matmul_reduce_scatter(a, b, scatter_dim, dist.group.WORLD, reduce_op)
     ref_as = [_shard(r, shape, dtype).double().requires_grad_() for r in range(world)]
     ref_bs = [(_weights(1, dtype)[0] + 0.1 * r).double().requires_grad_() for r in range(world)]
@@ -123,18 +128,18 @@ def _matmul_reduce_scatter_body(rank, world, shape, scatter_dim, dtype, reduce_o
         total = total / world
     rows = shape[scatter_dim] // world
     ref = total.narrow(scatter_dim, rank * rows, rows)
-    torch.testing.assert_close(out.double(), ref.detach(), **_tolerance(dtype))
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), **_tolerance(dtype))
     # rank r's upstream gradient for its own shard; the reference sums the shards' losses
     shard_grads = [
         torch.randn(ref.shape, generator=torch.Generator().manual_seed(20 + r)) for r in range(world)
     ]
-    (out * shard_grads[rank].to(dtype)).sum().backward()
+    (out * shard_grads[rank].to(DEVICE, dtype)).sum().backward()
     ref_loss = sum(
         (total.narrow(scatter_dim, r * rows, rows) * shard_grads[r].double()).sum() for r in range(world)
     )
     ref_loss.backward()
-    torch.testing.assert_close(a.grad.double(), ref_as[rank].grad, **_tolerance(dtype))
-    torch.testing.assert_close(b.grad.double(), ref_bs[rank].grad, **_tolerance(dtype))
+    torch.testing.assert_close(a.grad.cpu().double(), ref_as[rank].grad, **_tolerance(dtype))
+    torch.testing.assert_close(b.grad.cpu().double(), ref_bs[rank].grad, **_tolerance(dtype))
 
 
 @pytest.mark.multigpu
@@ -171,19 +176,20 @@ def _all_gather_scaled_matmul_body(rank, world, shape, gather_dim, a_gran, b_gra
     gen = torch.Generator().manual_seed(5)
     weights = [torch.randn(N + 4 * i, K, generator=gen) for i in range(2)]  # row-major [N, K]
     quantized = [_quantized(w, dtype, b_gran) for w in weights]
-    bs = [q.t() for q, _ in quantized]  # column-major [K, N]
-    b_scales = [s.reshape(-1) if s.dim() else s for _, s in quantized]
+    bs = [q.to(DEVICE).t() for q, _ in quantized]  # column-major [K, N]
+    b_scales = [(s.reshape(-1) if s.dim() else s).to(DEVICE) for _, s in quantized]
     shard = _shard(rank, shape, torch.float32) * (1 + rank)  # tensorwise scales differ per rank
-    q, scale = _quantized(shard, dtype, a_gran)
+    q, scale = (t.to(DEVICE) for t in _quantized(shard, dtype, a_gran))
     got_a, outs = fused_all_gather_scaled_matmul(q, bs, scale, b_scales, gather_dim, dist.group.WORLD,
                                                  return_a=return_a)  # fmt: skip
+    outs = [out.cpu() for out in outs]
     shards = [_quantized(_shard(r, shape, torch.float32) * (1 + r), dtype, a_gran) for r in range(world)]
     dequant = torch.cat([(qr.float() * sr).double() for qr, sr in shards], dim=gather_dim)
     exact = torch.cat(
         [_shard(r, shape, torch.float32).double() * (1 + r) for r in range(world)], dim=gather_dim
     )
     if return_a:
-        a, row_scales = got_a
+        a, row_scales = (t.cpu() for t in got_a)
         assert torch.equal(
             a.view(torch.uint8), torch.cat([qr for qr, _ in shards], gather_dim).view(torch.uint8)
         )
@@ -249,7 +255,7 @@ def test_bad_input_raises():
 def _opcheck_and_compile_body(rank, world) -> None:
     group = dist.group.WORLD
     name = group.group_name
-    a, bs = _shard(rank, (4, K), torch.float32), _weights(2, torch.float32)
+    a, bs = _shard(rank, (4, K), torch.float32).to(DEVICE), [w.to(DEVICE) for w in _weights(2, torch.float32)]
     torch.library.opcheck(fused_all_gather_matmul_impl, (a, bs, 0, name), test_utils=("test_schema",
                           "test_faketensor", "test_aot_dispatch_static"))  # fmt: skip
     torch.library.opcheck(fused_matmul_reduce_scatter_impl, (a, bs[0], 0, name, "sum"), test_utils=(
