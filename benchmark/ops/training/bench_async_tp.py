@@ -20,17 +20,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
-import tempfile
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, timed_across_ranks, write_csv
+from benchmark.ops.training.bench_utils import platform_name, spawn_ranks, timed_across_ranks
 from benchmark.ops.training.config import ASYNC_TP_SHAPE_SETS, TPShape, async_tp_shapes
 
 LOG = logging.getLogger("bench_async_tp")
@@ -113,24 +108,6 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
     return rows if rank == 0 else None
 
 
-def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
-    rows = _run(rank, world, args)
-    if rows is not None:
-        columns = ["GEMM", "Collective", "M", "N", "K", "turbo ms", "ring ms", "sequential ms",
-                   "torch fused ms", "vs sequential", "vs torch fused", "ring vs sequential",
-                   "overlap efficiency"]  # fmt: skip
-        print(tabulate([[r[c] for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
-        write_csv(args.output, rows)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Spawn one process per rank and time each shape's calls."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,11 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--output", default="bench_async_tp.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    if world < 2:
-        raise SystemExit(f"async TP needs at least 2 ranks, found {world}")
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(world, os.path.join(folder, "store"), args), nprocs=world, join=True)
+    columns = ["GEMM", "Collective", "M", "N", "K", "turbo ms", "ring ms", "sequential ms", "torch fused ms",
+               "vs sequential", "vs torch fused", "ring vs sequential", "overlap efficiency"]  # fmt: skip
+    spawn_ranks(_run, args, "async TP", columns)
 
 
 if __name__ == "__main__":

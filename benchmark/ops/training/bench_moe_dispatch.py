@@ -21,17 +21,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
-import tempfile
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from tabulate import tabulate
 
-from benchmark.ops.training.bench_utils import platform_name, timed_across_ranks, write_csv
+from benchmark.ops.training.bench_utils import platform_name, spawn_ranks, timed_across_ranks
 
 LOG = logging.getLogger("bench_moe_dispatch")
 
@@ -150,22 +145,6 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[dict] | None:
     return rows
 
 
-def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
-    rows = _run(rank, world, args)
-    if rows is not None:
-        columns = ["Call", "Backend", "Dtype", "Received rows (max rank)", "ms", "GB/s", "vs megatron", "SMs"]
-        print(tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
-        write_csv(args.output, rows)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Spawn one process per rank and time dispatch and combine."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,11 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--output", default="bench_moe_dispatch.csv")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    if world < 2:
-        raise SystemExit(f"dispatch needs at least 2 ranks, found {world}")
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(world, os.path.join(folder, "store"), args), nprocs=world, join=True)
+    columns = ["Call", "Backend", "Dtype", "Received rows (max rank)", "ms", "GB/s", "vs megatron", "SMs"]
+    spawn_ranks(_run, args, "dispatch", columns)
 
 
 if __name__ == "__main__":

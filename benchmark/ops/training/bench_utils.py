@@ -8,13 +8,18 @@ import csv
 import functools
 import itertools
 import math
+import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from tabulate import tabulate
 
 from benchmark.ops.training.config import GemmShape
 
@@ -240,3 +245,32 @@ def timed_across_ranks(fns: dict[str, Callable[[], object]], iters: int, device:
                 fns[name]()
                 samples[name].append((time.perf_counter() - begin) * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _rank_worker(
+    rank: int, world: int, store: str, run: Callable, args: argparse.Namespace, columns: list[str]
+):
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    rows = run(rank, world, args)
+    if rows is not None:
+        print(tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, floatfmt=".3f"))
+        write_csv(args.output, rows)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it
+
+
+def spawn_ranks(run: Callable, args: argparse.Namespace, what: str, columns: list[str]) -> None:
+    """``run(rank, world, args)`` in one process per rank (``args.world`` ranks, default every GPU or 2 on
+    the CPU; NCCL or gloo by ``args.device``); rank 0's rows are printed (``columns``) and written to
+    ``args.output``."""
+    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if world < 2:
+        raise SystemExit(f"{what} needs at least 2 ranks, found {world}")
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        mp.spawn(_rank_worker, args=(world, store, run, args, columns), nprocs=world, join=True)
