@@ -43,7 +43,8 @@
 #                       Llama-3-70B shapes across every visible GPU against the sequential path and PyTorch's
 #                       symmetric-memory ops (bench_async_tp.py; needs 2+ GPUs)
 #   E2E=1               Megatron MoE GPT training throughput, Turbo against the local spec (benchmark/e2e;
-#                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_NPROC, default 1)
+#                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_NPROC, default 1; E2E_TP,
+#                       default 1: tensor parallelism with sequence parallelism, expert parallelism NPROC / TP)
 #   MEGATRON=1          install the carried megatron-core wheel (.whl/, name .whl in carry) into /tmp/site first
 #                       (implied by E2E=1); the integration tests then run against it
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -203,7 +204,8 @@ if [ "${EP:-0}" = 1 ]; then
 fi
 if [ "${E2E:-0}" = 1 ]; then
   timeout "${E2E_TIMEOUT:-540}" .venv/bin/python -m benchmark.e2e.bench_megatron_moe --nproc "${E2E_NPROC:-1}" \
-    --steps "${E2E_STEPS:-50}" ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} -o "$OUT/megatron_moe.csv" 2>&1 \
+    --tp "${E2E_TP:-1}" --steps "${E2E_STEPS:-50}" ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} \
+    -o "$OUT/megatron_moe.csv" 2>&1 \
     | tee "$OUT/bench_megatron_moe.log" || status=1
 fi
 if [ "${GROUPED:-0}" = 1 ]; then

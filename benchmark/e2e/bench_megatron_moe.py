@@ -34,8 +34,9 @@ VARIANTS = {
 def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path) -> dict[str, dict]:
     """Run one variant; -> {run name: {"tokens_per_s": median, "final_loss": loss}}."""
     steps_csv = folder / f"{variant}.csv"
-    command = [sys.executable, str(EXAMPLE), "--size", args.size, "--nproc", str(args.nproc), "--steps",
-               str(args.steps), "--warmup", str(args.warmup), "--csv", str(steps_csv), *extra]  # fmt: skip
+    command = [sys.executable, str(EXAMPLE), "--size", args.size, "--nproc", str(args.nproc),
+               "--tp", str(args.tp), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--csv", str(steps_csv), *extra]  # fmt: skip
     print("$", " ".join(command), flush=True)
     done = subprocess.run(
         command,
@@ -64,7 +65,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--size", default="small")
-    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs; expert parallelism is nproc / tp")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel on)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     default = "turbo-bf16,turbo-fp8-blockwise,turbo-bf16-compiled,turbo-bf16-graph,turbo-fp8-blockwise-graph"
@@ -74,6 +76,9 @@ def main() -> None:
     folder = Path(args.output).resolve().parent
     results: dict[str, dict] = {}
     for variant in args.variants.split(","):
+        if "--cuda-graph" in VARIANTS[variant] and args.nproc > 1:
+            print(f"{variant}: skipped (the step's CUDA graph is one-GPU only)", flush=True)
+            continue
         for run, values in _run(variant, VARIANTS[variant], args, folder).items():
             results["local" if run == "local" else variant] = values
     base = results.get("local")
@@ -82,8 +87,8 @@ def main() -> None:
         ratio = values["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         gap = abs(values["final_loss"] - base["final_loss"]) / base["final_loss"] if base else float("nan")
         rate, loss = f"{values['tokens_per_s']:.0f}", f"{values['final_loss']:.4f}"
-        table.append([name, args.nproc, rate, f"{ratio:.3f}", loss, f"{gap:.4f}"])
-    header = ["run", "gpus", "tokens_per_s", "vs_local", "final_loss", "loss_gap_vs_local"]
+        table.append([name, args.nproc, args.tp, rate, f"{ratio:.3f}", loss, f"{gap:.4f}"])
+    header = ["run", "gpus", "tp", "tokens_per_s", "vs_local", "final_loss", "loss_gap_vs_local"]
     print(tabulate(table, headers=header))
     with open(args.output, "w", newline="") as f:
         writer = csv.writer(f)
