@@ -103,12 +103,14 @@ def test_setters_and_reset():
     GlobalBackendManager.set_grouped_gemm_backend(auto_tune=True, precision=FP8)
     GlobalBackendManager.set_attn_backend(BackendType.AITER)
     GlobalBackendManager.set_moe_dispatch_combine_backend(BackendType.DEEP_EP)
+    GlobalBackendManager.set_async_tp_backend("turbo")
     GlobalBackendManager.set_auto_tune(True)
     assert GlobalBackendManager.get_gemm_backend(FP8) == BackendChoice(BackendType.TRITON)
     assert GlobalBackendManager.get_grouped_gemm_backend(FP8) == BackendChoice(auto_tune=True)
     assert GlobalBackendManager.get_grouped_gemm_backend(BF16) is None
     assert GlobalBackendManager.get_attn_backend(BF16) == BackendChoice(BackendType.AITER)
     assert GlobalBackendManager.get_moe_dispatch_combine_backend(BF16) == BackendChoice(BackendType.DEEP_EP)
+    assert GlobalBackendManager.get_async_tp_backend(FP8) == BackendChoice(BackendType.TURBO)
     assert GlobalBackendManager.auto_tune_enabled()
     GlobalBackendManager.set_gemm_backend(None, precision=FP8)
     assert GlobalBackendManager.get_gemm_backend(FP8) is None
@@ -125,8 +127,9 @@ def test_setter_errors(monkeypatch):
         GlobalBackendManager.set_gemm_backend("fast")
     with pytest.raises(TypeError, match="precision must be a PrecisionType"):
         GlobalBackendManager.set_gemm_backend(BackendType.TRITON, precision="fp8")
-    with pytest.raises(ValueError, match="autotune is not supported for moe_dispatch_combine"):
-        GlobalBackendManager.set_backend("moe_dispatch_combine", auto_tune=True)
+    for collective in ("moe_dispatch_combine", "async_tp"):  # ranks timing alone could disagree
+        with pytest.raises(ValueError, match=f"autotune is not supported for {collective}"):
+            GlobalBackendManager.set_backend(collective, auto_tune=True)
     monkeypatch.setenv("PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND", "autotune")
     with pytest.raises(ValueError, match="'autotune' is not supported"):
         GlobalBackendManager.get_moe_dispatch_combine_backend(BF16)
