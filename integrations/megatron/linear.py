@@ -207,9 +207,13 @@ class TurboLinear(_ExtraState, nn.Module):
             self._weight_cache = (*key, quantize_fp8_weight(self.weight, self.quant_config))
         return self._weight_cache[2]
 
+    def _accum(self) -> str | None:
+        """Megatron's fused wgrad accumulation into ``weight.main_grad``, where the config asks for it."""
+        return "megatron" if self.config.gradient_accumulation_fusion and self.weight.requires_grad else None
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        accum = "megatron" if self.config.gradient_accumulation_fusion and self.weight.requires_grad else None
+        accum = self._accum()
         if self.quant_config is None:
             out = gemm(x2d, self.weight, trans_b=True, fuse_bgrad_accum_pattern=accum)
         else:
@@ -249,14 +253,19 @@ class TurboLinear(_ExtraState, nn.Module):
     def _gather_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Column-parallel: the gathered sequence times the weight shard."""
         if self.parallel_mode == "column" and self.fused_tp:
-            _, (out,) = fused_all_gather_matmul(x, [self.weight.t()], 0, self._tp_group, return_a=False)
+            _, (out,) = fused_all_gather_matmul(
+                x, [self.weight], 0, self._tp_group, return_a=False, trans_b=True,
+                fuse_bgrad_accum_pattern=self._accum(),
+            )  # fmt: skip
             return out
         return self._matmul(self._gather_input(x))
 
     def _matmul_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Row-parallel: the partial products summed over the group, this rank's sequence shard kept."""
         if self.parallel_mode == "row" and self.fused_tp:
-            return fused_matmul_reduce_scatter(x, self.weight.t(), 0, self._tp_group)
+            return fused_matmul_reduce_scatter(
+                x, self.weight, 0, self._tp_group, trans_b=True, fuse_bgrad_accum_pattern=self._accum()
+            )
         return self._reduce_output(self._matmul(x))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -158,6 +158,41 @@ def test_fused_matmul_reduce_scatter(world, shape, scatter_dim, dtype, reduce_op
     _spawn(world, _matmul_reduce_scatter_body, shape, scatter_dim, dtype, reduce_op, backend)
 
 
+def _fused_wgrad_body(rank, world, backend) -> None:
+    """Linear weights ([N, K], ``trans_b``) whose gradients go into ``main_grad`` (Megatron's fused wgrad),
+    through both ops: a column-parallel then a row-parallel layer, as in an MLP under sequence parallelism."""
+    GlobalBackendManager.set_async_tp_backend(backend)
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(9)
+    w1, w2 = (torch.randn(n, k, generator=gen) / k**0.5 for n, k in ((N, K), (K, N)))
+    w2 = w2 + 0.1 * rank  # the row-parallel weight is this rank's own shard
+    x = _shard(rank, (3, K), torch.float32)
+    layers = [w.clone().to(DEVICE).requires_grad_() for w in (w1, w2)]
+    for w in layers:
+        w.main_grad = torch.ones(w.shape, device=DEVICE)  # accumulates onto what is there
+    _, (h,) = fused_all_gather_matmul(x.to(DEVICE), [layers[0]], 0, group, return_a=False, trans_b=True,
+                                      fuse_bgrad_accum_pattern="megatron")  # fmt: skip
+    y = fused_matmul_reduce_scatter(h, layers[1], 0, group, trans_b=True, fuse_bgrad_accum_pattern="megatron")
+    y.sum().backward()
+    assert all(w.grad_added_to_main_grad for w in layers)
+    # the reference, fp64: every rank's input rows and row-parallel weight. The row-parallel weight's
+    # gradient comes from every rank's rows of the sum; this rank's column-parallel weight only feeds its
+    # own row-parallel weight (the tensor-parallel split of the hidden dimension)
+    xs = torch.cat([_shard(r, (3, K), torch.float64) for r in range(world)])
+    ref1 = w1.double().requires_grad_()
+    ref2s = [(w2 - 0.1 * rank + 0.1 * r).double().requires_grad_() for r in range(world)]
+    sum(xs @ ref1.detach().t() @ w.t() for w in ref2s).sum().backward()
+    (xs @ ref1.t() @ ref2s[rank].detach().t()).sum().backward()
+    torch.testing.assert_close(layers[0].main_grad.cpu().double(), 1 + ref1.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layers[1].main_grad.cpu().double(), 1 + ref2s[rank].grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backend", ["TORCH", "TURBO"])
+def test_fused_wgrad_into_main_grad(backend):
+    _spawn(2, _fused_wgrad_body, backend)
+
+
 def _quantized(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity):
     """(FP8 ``x``, its dequantising scales: 0-d or one per row), quantized in plain PyTorch (the op under
     test takes quantized inputs; this keeps the quantizer out of it)."""
@@ -235,6 +270,10 @@ def _bad_input_body(rank, world) -> None:
         fused_matmul_reduce_scatter(torch.randn(3, K), b, 0, group)
     with pytest.raises(ValueError, match="reduce_op must be one of"):
         fused_matmul_reduce_scatter(a, b, 0, group, "max")
+    with pytest.raises(ValueError, match=r"\[N, K\] with K"):
+        fused_matmul_reduce_scatter(a, b, 0, group, trans_b=True)
+    with pytest.raises(ValueError, match="needs b.main_grad"):
+        fused_all_gather_matmul(a, [b.t()], 0, group, trans_b=True, fuse_bgrad_accum_pattern="megatron")
     q, scale = _quantized(a, torch.float8_e4m3fn, ScalingGranularity.ROWWISE)
     qb, sb = _quantized(b.t().contiguous(), torch.float8_e4m3fn, ScalingGranularity.TENSORWISE)
     with pytest.raises(TypeError, match="a_shard must be one of"):
