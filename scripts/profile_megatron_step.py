@@ -63,7 +63,6 @@ def main() -> None:
         args.steps = 5
         # warm up: compile, autotune, allocator
         train_moe.train(model, args, 0, device, graph=args.cuda_graph)
-        args.steps = 5
         logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
         eager = sorted(log.fwd_bwd_s for log in logs)[len(logs) // 2]
         print(f"unprofiled: fwd+bwd {eager * 1e3:.1f} ms per step (median of 5)")

@@ -22,6 +22,7 @@ from primus_turbo.pytorch.kernels.async_tp.async_tp_impl import (
     fused_all_gather_matmul_impl,
     fused_all_gather_scaled_matmul_impl,
     fused_matmul_reduce_scatter_impl,
+    group_size,
 )
 from primus_turbo.pytorch.kernels.gemm.gemm_impl import gemm_accum_impl, gemm_impl
 
@@ -111,7 +112,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         if ctx.reduce_op == "avg":
-            grad = grad / dist.get_world_size(dist.distributed_c10d._resolve_process_group(ctx.group_name))
+            grad = grad / group_size(ctx.group_name)
         gathered, grad_a = call_op(
             fused_all_gather_matmul_impl, grad.contiguous(), [_as_kn(b, ctx.trans_b).t()], ctx.scatter_dim,
             ctx.group_name,
