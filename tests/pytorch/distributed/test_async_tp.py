@@ -284,6 +284,12 @@ def _bad_input_body(rank, world) -> None:
         fused_all_gather_scaled_matmul(q, [qb.t()], scale[:2], [sb], 0, group)
     with pytest.raises(ValueError, match="one b_scales entry each"):
         fused_all_gather_scaled_matmul(q, [qb.t()], scale, [], 0, group)
+    GlobalBackendManager.set_async_tp_backend("TURBO")  # a pinned backend is never swapped silently
+    try:
+        with pytest.raises(ValueError, match="TURBO is not implemented"):
+            fused_all_gather_scaled_matmul(q, [qb.t()], scale, [sb], 0, group)
+    finally:
+        GlobalBackendManager.set_async_tp_backend(None)
 
 
 @pytest.mark.multigpu

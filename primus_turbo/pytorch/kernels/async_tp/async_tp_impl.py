@@ -281,7 +281,7 @@ def fused_all_gather_scaled_matmul_impl(
     """``[A, A's row scales, (A * s_A) @ (B_0 * s_B0), ...]`` with ``A`` and its scales gathered along
     ``gather_dim`` over ``group_name``; FP8 ``B_i`` [K, N_i] column-major, scales 0-d or one per column."""
     return AllGatherScaledMatmulDispatcher.dispatch(
-        None,
+        GlobalBackendManager.get_async_tp_backend(precision_of(a_shard.dtype)),
         a_shard=a_shard,
         a_scale=a_scale,
         bs=bs,
