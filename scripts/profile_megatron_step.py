@@ -3,7 +3,7 @@ and the top kernels and host ops (torch.profiler). Tells host-bound from device-
 ``--cprofile`` it also profiles the Python of the timed steps without torch.profiler (which turns the
 custom ops' eager fast path off): the functions that take the host's time.
 
-    python scripts/profile_megatron_step.py --size small [--fp8 e4m3 --fp8-recipe blockwise] [--local-only]
+    python scripts/profile_megatron_step.py --size small [--fp8 e4m3 --fp8-recipe blockwise] [--rows N]
 """
 
 from __future__ import annotations
@@ -46,7 +46,14 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
 
 def main() -> None:
     cprofile = "--cprofile" in sys.argv
-    args = train_moe.parse_args([a for a in sys.argv[1:] if a != "--cprofile"])
+    argv = [a for a in sys.argv[1:] if a != "--cprofile"]
+    rows = 30
+    if "--rows" in argv:
+        at = argv.index("--rows")
+        rows = int(argv[at + 1])
+        del argv[at : at + 2]
+    args = train_moe.parse_args(argv)
+    args.rows = rows
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group(
@@ -80,7 +87,7 @@ def main() -> None:
         fwd_bwd = sum(log.fwd_bwd_s for log in logs) / len(logs)
         busy = gpu_us / 1e3
         print(f"per step: wall {wall * 1e3:.1f} ms (fwd+bwd {fwd_bwd * 1e3:.1f} ms), GPU busy {busy:.1f} ms")
-        print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=90))
         print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         dist.destroy_process_group()
 

@@ -47,6 +47,36 @@ def _expert_groups(pg_collection: Any) -> tuple[Any, Any]:
     return ep, edp
 
 
+def _consecutive(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether equal-shape contiguous ``tensors`` fill one storage back to back, in order."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return False
+    storage, step = first.untyped_storage().data_ptr(), first.numel() * first.element_size()
+    start = first.data_ptr()
+    return all(
+        t.is_contiguous()
+        and t.shape == first.shape
+        and t.untyped_storage().data_ptr() == storage
+        and t.data_ptr() == start + i * step
+        for i, t in enumerate(tensors)
+    )
+
+
+class _ConsecutiveStack(torch.autograd.Function):
+    """``torch.stack`` of tensors that already lie back to back in one storage: a view, no copy; the
+    gradient of each is its slice of the stacked gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        first = tensors[0]
+        return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grad.unbind(0)
+
+
 class TurboGroupedLinear(_ExtraState, nn.Module):
     """``TEGroupedLinear``'s contract: ``num_gemms`` experts' weights ``weight0..weight{n-1}`` [out, in]
     (TE's names), ``forward(x, m_splits)`` over tokens sorted by expert, ``m_splits`` a device tensor (no
@@ -83,25 +113,34 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         device = param_device(config)
         dim = 1 if parallel_mode == "row" else 0
         expert_parallel = config.expert_model_parallel_size > 1
+        # the experts' weights are consecutive slices of one allocation: forward reads them as one
+        # [G, out, in] tensor without copying (see ``_stacked``)
+        weights = torch.empty(
+            num_gemms, self.out_features, self.in_features, device=device, dtype=config.params_dtype
+        )
+        biases = torch.zeros(num_gemms, self.out_features, device=device, dtype=config.params_dtype)
         for i in range(num_gemms):
-            weight = nn.Parameter(
-                torch.empty(self.out_features, self.in_features, device=device, dtype=config.params_dtype)
-            )
+            weight = nn.Parameter(weights[i])
             if config.perform_initialization:
                 init_partitioned_weight(
                     weight, config, init_method, (output_size, input_size), dim, rank, tp_size, True
                 )
             self.register_parameter(f"weight{i}", weight)
             if bias:
-                b = nn.Parameter(torch.zeros(self.out_features, device=device, dtype=config.params_dtype))
-                self.register_parameter(f"bias{i}", b)
+                self.register_parameter(f"bias{i}", nn.Parameter(biases[i]))
         self.use_bias = bias
         for param in self.parameters():
             param.allreduce = not expert_parallel
 
     def _stacked(self, name: str) -> torch.Tensor:
-        """[G, ...] from the per-expert parameters (the copy's gradient flows back to each)."""
-        return torch.stack([getattr(self, f"{name}{i}") for i in range(self.num_gemms)])
+        """[G, ...] from the per-expert parameters, gradients flowing back to each. While they still lie
+        one after another in memory (as built) this is a view of them; after something re-homed them
+        (``.to()`` across devices, a distributed optimizer's parameter buffer) or under torch.compile, a
+        copy."""
+        params = [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
+        if not torch.compiler.is_compiling() and _consecutive(params):
+            return _ConsecutiveStack.apply(*params)
+        return torch.stack(params)
 
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, None]:
         """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``."""

@@ -259,3 +259,46 @@ def test_grouped_mlp_applies_probs(megatron):
     assert out.shape == (6, 64) and bias is None
     double, _ = experts(x, torch.tensor([4, 2]), 2 * probs)
     torch.testing.assert_close(double.float(), 2 * out.float(), rtol=2e-2, atol=2e-2)
+
+
+def _grouped_fc1(bias: bool = False) -> TurboColumnParallelGroupedLinear:
+    config = tiny_moe_config(moe_grouped_gemm=True, add_bias_linear=bias)
+    return TurboColumnParallelGroupedLinear(
+        3, 64, 32, config=config, init_method=_init, bias=bias, skip_bias_add=False, is_expert=True
+    ).to(_device())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_linear_reads_its_experts_without_a_copy(megatron, bias):
+    """Built back to back, the experts' weights are one [G, out, in] view (no stack copy); re-homed ones
+    (here: separate tensors) take the copy; both give the same output and per-expert gradients."""
+    fc1 = _grouped_fc1(bias)
+    stacked = fc1._stacked("weight")
+    assert stacked.data_ptr() == fc1.weight0.data_ptr() and stacked.shape == (3, 32, 64)
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 7], device=_device())
+    grad_out = torch.randn(10, 32, dtype=torch.bfloat16, device=_device())
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        fc1.zero_grad(set_to_none=True)
+        out, _ = fc1(x, counts)
+        out.backward(grad_out)
+        return out.detach(), [p.grad.clone() for p in fc1.parameters()]
+
+    out_view, grads_view = run()
+    for param in fc1.parameters():
+        param.data = param.data.clone()  # what a cross-device .to() or an optimizer's buffer does
+    assert fc1._stacked("weight").data_ptr() != fc1.weight0.data_ptr()
+    out_copy, grads_copy = run()
+    torch.testing.assert_close(out_view, out_copy, rtol=0, atol=0)
+    for view, copy in zip(grads_view, grads_copy, strict=True):
+        torch.testing.assert_close(view, copy, rtol=0, atol=0)
+    assert grads_view[1 if not bias else 2].abs().sum() == 0  # expert 1 has no tokens
+
+
+def test_grouped_linear_keeps_experts_consecutive_through_state_dict_load(megatron):
+    fc1 = _grouped_fc1()
+    other = _grouped_fc1()
+    other.load_state_dict(fc1.state_dict())
+    assert other._stacked("weight").data_ptr() == other.weight0.data_ptr()
+    torch.testing.assert_close(other._stacked("weight"), fc1._stacked("weight"), rtol=0, atol=0)
