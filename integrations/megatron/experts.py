@@ -134,13 +134,26 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
 
     def _stacked(self, name: str) -> torch.Tensor:
         """[G, ...] from the per-expert parameters, gradients flowing back to each. While they still lie
-        one after another in memory (as built) this is a view of them; after something re-homed them
-        (``.to()`` across devices, a distributed optimizer's parameter buffer) or under torch.compile, a
-        copy."""
+        one after another in memory (as built, and after ``.to()``) this is a view of them; after
+        something else re-homed them (a distributed optimizer's parameter buffer) or under torch.compile,
+        a copy."""
         params = [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
         if not torch.compiler.is_compiling() and _consecutive(params):
             return _ConsecutiveStack.apply(*params)
         return torch.stack(params)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> TurboGroupedLinear:
+        """``Module._apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``), which converts each parameter on its
+        own, then the experts laid back to back in one allocation again."""
+        module = super()._apply(fn, recurse)
+        for name in ("weight", "bias") if self.use_bias else ("weight",):
+            params = [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
+            if not _consecutive(params):
+                with torch.no_grad():
+                    joined = torch.stack(params)
+                for param, part in zip(params, joined, strict=True):
+                    param.data = part
+        return module
 
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, None]:
         """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``."""

@@ -296,6 +296,17 @@ def test_grouped_linear_reads_its_experts_without_a_copy(megatron, bias):
     assert grads_view[1 if not bias else 2].abs().sum() == 0  # expert 1 has no tokens
 
 
+def test_grouped_linear_keeps_experts_consecutive_through_to(megatron):
+    """``.to()`` converts each parameter on its own; the layer lays its experts back to back again."""
+    fc1 = _grouped_fc1(bias=True)
+    before = fc1._stacked("weight").detach().clone()
+    fc1.float()
+    for name in ("weight", "bias"):
+        stacked = fc1._stacked(name)
+        assert stacked.dtype == torch.float32 and stacked.data_ptr() == getattr(fc1, f"{name}0").data_ptr()
+    torch.testing.assert_close(fc1._stacked("weight").detach(), before.float(), rtol=0, atol=0)
+
+
 def test_grouped_linear_keeps_experts_consecutive_through_state_dict_load(megatron):
     fc1 = _grouped_fc1()
     other = _grouped_fc1()
