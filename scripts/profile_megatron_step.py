@@ -8,6 +8,7 @@ custom ops' eager fast path off): the functions that take the host's time.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import importlib.util
 import io
@@ -45,15 +46,12 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
 
 
 def main() -> None:
-    cprofile = "--cprofile" in sys.argv
-    argv = [a for a in sys.argv[1:] if a != "--cprofile"]
-    rows = 30
-    if "--rows" in argv:
-        at = argv.index("--rows")
-        rows = int(argv[at + 1])
-        del argv[at : at + 2]
-    args = train_moe.parse_args(argv)
-    args.rows = rows
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument("--cprofile", action="store_true")
+    own.add_argument("--rows", type=int, default=30, help="kernels listed by GPU time")
+    mine, rest = own.parse_known_args()
+    cprofile = mine.cprofile
+    args = train_moe.parse_args(rest)
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as folder:
         dist.init_process_group(
@@ -87,7 +85,7 @@ def main() -> None:
         fwd_bwd = sum(log.fwd_bwd_s for log in logs) / len(logs)
         busy = gpu_us / 1e3
         print(f"per step: wall {wall * 1e3:.1f} ms (fwd+bwd {fwd_bwd * 1e3:.1f} ms), GPU busy {busy:.1f} ms")
-        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=90))
+        print(events.table(sort_by="self_device_time_total", row_limit=mine.rows, max_name_column_width=90))
         print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         dist.destroy_process_group()
 

@@ -50,8 +50,6 @@ def _expert_groups(pg_collection: Any) -> tuple[Any, Any]:
 def _consecutive(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether equal-shape contiguous ``tensors`` fill one storage back to back, in order."""
     first = tensors[0]
-    if not first.is_contiguous():
-        return False
     storage, step = first.untyped_storage().data_ptr(), first.numel() * first.element_size()
     start = first.data_ptr()
     return all(
@@ -132,12 +130,16 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         for param in self.parameters():
             param.allreduce = not expert_parallel
 
+    def _experts(self, name: str) -> list[nn.Parameter]:
+        """The per-expert parameters ``{name}0..{name}{G-1}``."""
+        return [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
+
     def _stacked(self, name: str) -> torch.Tensor:
         """[G, ...] from the per-expert parameters, gradients flowing back to each. While they still lie
         one after another in memory (as built, and after ``.to()``) this is a view of them; after
         something else re-homed them (a distributed optimizer's parameter buffer) or under torch.compile,
         a copy."""
-        params = [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
+        params = self._experts(name)
         if not torch.compiler.is_compiling() and _consecutive(params):
             return _ConsecutiveStack.apply(*params)
         return torch.stack(params)
@@ -147,7 +149,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         own, then the experts laid back to back in one allocation again."""
         module = super()._apply(fn, recurse)
         for name in ("weight", "bias") if self.use_bias else ("weight",):
-            params = [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
+            params = self._experts(name)
             if not _consecutive(params):
                 with torch.no_grad():
                     joined = torch.stack(params)
