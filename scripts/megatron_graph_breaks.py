@@ -1,5 +1,6 @@
-"""List the torch.compile graph breaks of Megatron ``TransformerLayer``s built with the Turbo spec (dense and
-MoE with the Turbo dispatcher), with the file and line of each: the table in docs/megatron.md.
+"""List the torch.compile graph breaks of Megatron ``TransformerLayer``s built with the Turbo spec (dense,
+MoE with the Turbo dispatcher, and MoE with the load-balancing and z losses on), with the file and line of
+each: the table in docs/megatron.md.
 
     PYTHONPATH=. python scripts/megatron_graph_breaks.py
 """
@@ -14,6 +15,7 @@ import torch
 def main() -> None:
     warnings.filterwarnings("ignore")
     from megatron.core import package_info
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.spec_utils import build_module
 
     from primus_turbo.integrations.megatron import (
@@ -34,10 +36,20 @@ def main() -> None:
     with local_process_group():
         init_megatron()
         try:
-            for moe in (False, True):
-                config = tiny_config(**(dict(MOE_OVERRIDES, moe_grouped_gemm=True) if moe else {}))
+            losses = dict(
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3
+            )
+            variants = {
+                "dense": {},
+                "MoE": dict(MOE_OVERRIDES, moe_grouped_gemm=True),
+                "MoE, aux + z loss": dict(MOE_OVERRIDES, moe_grouped_gemm=True, **losses),
+            }
+            for name, overrides in variants.items():
+                config = tiny_config(**overrides)
+                moe = bool(overrides)
                 patch = apply_primus_turbo_to_megatron(PrimusTurboConfig(enable_primus_turbo=True), config)
                 try:
+                    MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=device))
                     spec = get_gpt_layer_with_turbo_spec(
                         num_experts=config.num_moe_experts, moe_grouped_gemm=moe
                     )
@@ -47,7 +59,6 @@ def main() -> None:
                 finally:
                     patch.undo()
                     torch._dynamo.reset()
-                name = "MoE" if moe else "dense"
                 print(f"{name}: {explained.graph_count} graphs, {explained.graph_break_count} breaks")
                 for reason in explained.break_reasons:
                     frame = reason.user_stack[-1] if reason.user_stack else None

@@ -8,6 +8,7 @@ import argparse
 import importlib
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from megatron.core.extensions.transformer_engine import HAVE_TE
@@ -15,7 +16,11 @@ from megatron.core.extensions.transformer_engine import HAVE_TE
 from primus_turbo.integrations.megatron.compat import check_supported_version
 from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
 from primus_turbo.integrations.megatron.linear import TurboLinear
-from primus_turbo.integrations.megatron.router import turbo_topk_routing
+from primus_turbo.integrations.megatron.router import (
+    TurboAuxLossScaler,
+    track_aux_loss_scale,
+    turbo_topk_routing,
+)
 from primus_turbo.integrations.megatron.spec_provider import (
     TurboSpecProvider,
     bound_names,
@@ -47,6 +52,7 @@ class TurboPatch:
     _config_changes: list[tuple[Any, str, Any]] = field(default_factory=list)
     _backend_ops: list[str] = field(default_factory=list)
     _auto_tune: bool = False
+    _untrack_loss_scale: Callable[[], None] | None = None
     active: bool = True
 
     def undo(self) -> None:
@@ -55,6 +61,8 @@ class TurboPatch:
         self.active = False
         if self._names is not None:
             self._names.__exit__(None, None, None)
+        if self._untrack_loss_scale is not None:
+            self._untrack_loss_scale()
         for target, name, old in reversed(self._config_changes):
             setattr(target, name, old)
         for op in self._backend_ops:
@@ -129,12 +137,14 @@ def apply_primus_turbo_to_megatron(
     if features.fused_router:
         site = ("megatron.core.transformer.moe.router", "topk_routing_with_score_function")
         bindings[site] = turbo_topk_routing(importlib.import_module(site[0]).topk_routing_with_score_function)
+    bindings[("megatron.core.transformer.moe.router", "MoEAuxLossAutoScaler")] = TurboAuxLossScaler
     if features.fp8 is not None and not HAVE_TE:
         bindings[("megatron.core.transformer.transformer_config", "is_te_min_version")] = (
             _te_gate_without_te()
         )
     patch._names = bound_names(bindings)
     patch._names.__enter__()
+    patch._untrack_loss_scale = track_aux_loss_scale()
     TurboFlexTokenDispatcher.num_worst_tokens = features.num_worst_tokens
     TurboLinear.async_tp = features.async_tp
     set_active_features(features)

@@ -1,5 +1,6 @@
 """The MoE router's top-k on Turbo's fused routing kernel, in the place of Megatron's
-``topk_routing_with_score_function`` (the function its ``TopKRouter`` calls)."""
+``topk_routing_with_score_function`` (the function its ``TopKRouter`` calls), and the router's auxiliary
+losses attached in a way ``torch.compile`` traces."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 
 import torch
 
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
 from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score
 
-__all__ = ["turbo_topk_routing"]
+__all__ = ["TurboAuxLossScaler", "track_aux_loss_scale", "turbo_topk_routing"]
 
 
 def turbo_topk_routing(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,3 +64,74 @@ def turbo_topk_routing(original: Callable[..., Any]) -> Callable[..., Any]:
         return probs.type_as(logits), routing_map
 
     return topk_routing_with_score_function
+
+
+class _LossScale:
+    """The tensor Megatron scales auxiliary-loss gradients by, kept where Dynamo can read it (a class
+    attribute of an ``autograd.Function``, where Megatron keeps it, breaks the graph)."""
+
+    tensor: torch.Tensor | None = None
+
+
+_LOSS_SCALE = _LossScale()
+
+
+class _ScaledAuxLoss(torch.autograd.Function):
+    """Megatron's ``MoEAuxLossAutoScaler`` with the scale tensor passed in instead of read in backward.
+
+    The scale is kept by reference, not saved: ``set_loss_scale`` rewrites it in place after the forward,
+    and the backward uses the value set by then, as Megatron's does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux_loss,) = ctx.saved_tensors
+        # the ones come from grad_output, not aux_loss: AOTAutograd moves backward nodes that do not
+        # depend on the incoming gradient into the forward, which would read the scale too early
+        ones = grad_output.new_ones(aux_loss.shape, dtype=aux_loss.dtype)
+        return grad_output, ones * ctx.scale, None
+
+
+class TurboAuxLossScaler:
+    """Stands in for ``MoEAuxLossAutoScaler`` in Megatron's router module.
+
+    Under ``torch.compile`` it attaches the load-balancing and z losses with ``_ScaledAuxLoss``, so a
+    compiled MoE layer is one graph; in eager mode, and before any loss scale is set, it is Megatron's.
+    """
+
+    @staticmethod
+    def apply(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        scale = _LOSS_SCALE.tensor
+        if scale is None or not torch.compiler.is_compiling():
+            return MoEAuxLossAutoScaler.apply(output, aux_loss)
+        return _ScaledAuxLoss.apply(output, aux_loss, scale)
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """Megatron's (code that imports the name from the router module after the patch calls it)."""
+        MoEAuxLossAutoScaler.set_loss_scale(scale)
+
+
+def track_aux_loss_scale() -> Callable[[], None]:
+    """Make ``MoEAuxLossAutoScaler.set_loss_scale`` also record its tensor for ``TurboAuxLossScaler``;
+    returns the undo."""
+    original = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
+
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        original.__func__(scale)
+        _LOSS_SCALE.tensor = MoEAuxLossAutoScaler.main_loss_backward_scale
+
+    MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
+    _LOSS_SCALE.tensor = MoEAuxLossAutoScaler.main_loss_backward_scale
+
+    def undo() -> None:
+        MoEAuxLossAutoScaler.set_loss_scale = original
+        _LOSS_SCALE.tensor = None
+
+    return undo

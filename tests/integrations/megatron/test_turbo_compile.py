@@ -155,3 +155,54 @@ def test_megatron_layer_with_turbo_spec_has_no_break_in_turbo_code(megatron, moe
     eager, _ = layer(x, attention_mask=None)
     compiled, _ = torch.compile(layer, backend=BACKEND)(x, attention_mask=None)
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_moe_layer_with_router_losses_compiles_without_a_break_at_the_losses(megatron):
+    """Megatron attaches the load-balancing and z losses with an autograd.Function whose backward reads
+    a class attribute, which breaks the graph; under the patch the compiled layer traces them, and the
+    router's gradients match eager with the loss scale set after the forward (as Megatron's schedule does)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.spec_utils import build_module
+
+    overrides = dict(MOE_OVERRIDES, moe_grouped_gemm=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    config = tiny_config(**dict(overrides, moe_router_load_balancing_type="aux_loss"))
+    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    patch = apply_primus_turbo_to_megatron(PrimusTurboConfig(enable_primus_turbo=True), config)
+    try:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=_device()))
+        spec = get_gpt_layer_with_turbo_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=True)
+        layer = build_module(spec, config=config, layer_number=1).to(_device())
+        x = torch.randn(8, 2, config.hidden_size, device=_device(), dtype=torch.bfloat16)
+        explanation = torch._dynamo.explain(layer)(x, attention_mask=None)
+        for reason in explanation.break_reasons:  # where MoEAuxLossAutoScaler broke it: inside moe_utils
+            assert not reason.user_stack[-1].filename.endswith("moe_utils.py"), reason.reason
+        if torch.cuda.is_available():  # on the CPU, Megatron's router moves its weight to "the GPU"
+            assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
+        torch._dynamo.reset()
+
+        grads = []
+        for run in (layer, torch.compile(layer, backend=BACKEND)):
+            out, _ = run(x, attention_mask=None)
+            MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 0.25, device=_device()))
+            (out.float().sum() * 0).backward()  # the router's gradient is then the two losses' alone
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=_device()))
+            grads.append(layer.mlp.router.weight.grad.clone())
+            layer.zero_grad(set_to_none=True)
+        assert grads[0].abs().max() > 0
+        torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=1e-6)
+    finally:
+        patch.undo()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
+
+
+def test_aux_loss_scale_tracking_is_undone(megatron):
+    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    original = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
+    patch = apply_primus_turbo_to_megatron(PrimusTurboConfig(enable_primus_turbo=True), tiny_config())
+    assert router.MoEAuxLossAutoScaler is not MoEAuxLossAutoScaler
+    assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"] is not original
+    patch.undo()
+    assert router.MoEAuxLossAutoScaler is MoEAuxLossAutoScaler
+    assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"] is original
