@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.core.extensions.transformer_engine import HAVE_TE

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from primus_turbo.pytorch.ops import fused_group_topk_routing_with_aux_score
