@@ -76,7 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fp8-recipe", choices=["tensorwise", "blockwise", "mxfp8", "delayed"], default="delayed"
     )
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer layer")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the Turbo GPT model as one graph: embedding, layers, output layer and loss",
+    )
     parser.add_argument(
         "--compile-mode",
         default=None,
@@ -171,11 +175,9 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
     size = SIZES[args.size]
     model = GPTModel(config, spec, vocab_size=size["vocab"], max_sequence_length=size["seq"])
     if args.compile:
-        # each layer's integer attributes (layer_number) specialise Megatron's MoE logging: one graph a layer
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * config.num_layers)
-        for layer in model.decoder.layers:
-            layer.compile(mode=args.compile_mode)
+        # the whole model, not layer by layer: the graph then includes the cross-entropy loss over the
+        # vocabulary (a dozen elementwise passes over the logits in eager Megatron) and runs once a step
+        model.compile(mode=args.compile_mode)
     return Float16Module(config, model).to(device)
 
 

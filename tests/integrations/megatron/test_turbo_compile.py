@@ -188,8 +188,10 @@ def test_moe_layer_with_router_losses_compiles_without_a_break_at_the_losses(meg
             MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=_device()))
             grads.append(layer.mlp.router.weight.grad.clone())
             layer.zero_grad(set_to_none=True)
-        assert grads[0].abs().max() > 0
-        torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=1e-6)
+        # inductor sums the bf16 gradient in another order; a scale read at the wrong time is off by 4x
+        error = torch.linalg.vector_norm((grads[1] - grads[0]).float())
+        reference = torch.linalg.vector_norm(grads[0].float())
+        assert reference > 0 and error <= 0.05 * reference
     finally:
         patch.undo()
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -279,19 +280,29 @@ def test_example_rejects_unsupported_graph_options(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def _example_losses(*extra: str, steps: int = 6, env: dict[str, str] | None = None) -> list[float]:
+    common = ["--size", "tiny", "--nproc", "1", "--steps", str(steps), "--warmup", "1"]
+    command = [sys.executable, str(ROOT / "examples/megatron/train_moe.py"), *common, *extra]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert len(rows) == steps
+    return [float(row[1]) for row in rows]
+
+
 @pytest.mark.gpu
 def test_example_cuda_graph_matches_eager():
     """The replayed CUDA graph of the step trains exactly like the eager step (same kernels, same data)."""
-    common = ["--size", "tiny", "--nproc", "1", "--steps", "6", "--warmup", "2"]
-    losses = []
-    for extra in ([], ["--cuda-graph"]):
-        command = [sys.executable, str(ROOT / "examples/megatron/train_moe.py"), *common, *extra]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        rows = [line.split() for line in result.stdout.splitlines() if line[:4].strip().isdigit()]
-        losses.append([float(row[1]) for row in rows])
-    assert len(losses[0]) == 6
-    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert _example_losses("--cuda-graph") == pytest.approx(_example_losses(), rel=1e-3)
+
+
+def test_example_compiled_model_trains_like_eager():
+    """``--compile`` (the whole GPT model, its loss included, in one torch.compile graph) follows the
+    eager run's losses: the compiled kernels round differently, so bf16 tolerance. On the CPU it runs the
+    portable backends, not the Triton interpreter (this test is about the compiled graph, and fast)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    compiled = _example_losses("--compile", steps=3, env=env)
+    assert compiled == pytest.approx(_example_losses(steps=3, env=env), rel=1e-2)
 
 
 def _expert_shards(model) -> dict[str, tuple]:
