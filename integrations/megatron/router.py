@@ -75,6 +75,22 @@ class _LossScale:
 _LOSS_SCALE = _LossScale()
 
 
+@torch.library.custom_op("primus_turbo::megatron_aux_loss_grad", mutates_args=())
+def _aux_loss_grad(grad_output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The auxiliary loss's gradient, ``ones_like(aux_loss) * scale``, as Megatron's backward computes it.
+
+    An opaque op that takes ``grad_output`` (unused) so that it runs in the backward: AOTAutograd moves
+    backward nodes that do not depend on an incoming gradient into the forward, and the decompositions
+    drop the dependency of ``grad_output.new_ones``; the scale would then be read before Megatron sets it.
+    """
+    return torch.ones_like(aux_loss) * scale
+
+
+@_aux_loss_grad.register_fake
+def _(grad_output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(aux_loss) * scale
+
+
 class _ScaledAuxLoss(torch.autograd.Function):
     """Megatron's ``MoEAuxLossAutoScaler`` with the scale tensor passed in instead of read in backward.
 
@@ -91,10 +107,7 @@ class _ScaledAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (aux_loss,) = ctx.saved_tensors
-        # the ones come from grad_output, not aux_loss: AOTAutograd moves backward nodes that do not
-        # depend on the incoming gradient into the forward, which would read the scale too early
-        ones = grad_output.new_ones(aux_loss.shape, dtype=aux_loss.dtype)
-        return grad_output, ones * ctx.scale, None
+        return grad_output, _aux_loss_grad(grad_output, aux_loss, ctx.scale), None
 
 
 class TurboAuxLossScaler:

@@ -180,8 +180,9 @@ def test_moe_layer_with_router_losses_compiles_without_a_break_at_the_losses(meg
             assert explanation.graph_break_count == 0, [r.reason for r in explanation.break_reasons]
         torch._dynamo.reset()
 
-        grads = []
-        for run in (layer, torch.compile(layer, backend=BACKEND)):
+        grads = []  # inductor on the CPU too: aot_eager keeps the graph as traced and hides where the
+        # partitioner puts the gradient's computation
+        for run in (layer, torch.compile(layer, backend="inductor")):
             out, _ = run(x, attention_mask=None)
             MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 0.25, device=_device()))
             (out.float().sum() * 0).backward()  # the router's gradient is then the two losses' alone
@@ -208,3 +209,17 @@ def test_aux_loss_scale_tracking_is_undone(megatron):
     patch.undo()
     assert router.MoEAuxLossAutoScaler is MoEAuxLossAutoScaler
     assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"] is original
+
+
+@pytest.mark.parametrize("scale_shape", [(), (1,)], ids=["scalar", "one-element"])
+def test_aux_loss_grad_op(scale_shape):
+    """The op under the compiled scaler: Megatron's formula (a one-element scale broadcasts as in its
+    ``initialize``), and the custom-op contract."""
+    from primus_turbo.integrations.megatron.router import _aux_loss_grad
+
+    grad_output = torch.randn(16, 4, device=_device(), dtype=torch.bfloat16)
+    aux_loss = torch.rand((), device=_device())
+    scale = torch.full(scale_shape, 0.25, device=_device())
+    expected = torch.ones_like(aux_loss) * scale
+    torch.testing.assert_close(_aux_loss_grad(grad_output, aux_loss, scale), expected)
+    torch.library.opcheck(_aux_loss_grad, (grad_output, aux_loss, scale))
