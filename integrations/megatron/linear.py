@@ -200,8 +200,8 @@ class TurboLinear(_ExtraState, nn.Module):
 
     def _fp8_weight(self) -> QuantizedTensor | torch.Tensor:
         """The weight's FP8 copies, made once per weight update while ``is_first_microbatch`` is not None."""
-        if self.is_first_microbatch is None or torch.compiler.is_compiling():
-            return self.weight
+        if torch.compiler.is_compiling() or self.is_first_microbatch is None:
+            return self.weight  # compiled graphs quantize in the graph (checked first: no guard on the flag)
         key = (self.weight._version, self.weight.data_ptr())
         if self.is_first_microbatch or self._weight_cache is None or self._weight_cache[:2] != key:
             self._weight_cache = (*key, quantize_fp8_weight(self.weight, self.quant_config))
@@ -224,7 +224,8 @@ class TurboLinear(_ExtraState, nn.Module):
                 config=self.quant_config,
                 fuse_bgrad_accum_pattern=accum,
             )
-        self.is_first_microbatch = False if self.is_first_microbatch is not None else None
+        if not torch.compiler.is_compiling():  # a flag written in the graph would recompile it next step
+            self.is_first_microbatch = False if self.is_first_microbatch is not None else None
         return out.view(*x.shape[:-1], self.out_features)
 
     def _gather_input(self, x: torch.Tensor) -> torch.Tensor:

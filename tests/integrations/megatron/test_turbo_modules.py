@@ -155,6 +155,20 @@ def test_fp8_weight_is_quantized_once_per_weight_update(megatron):
     assert layer._weight_cache[2] is not first
 
 
+@pytest.mark.parametrize("fp8", [None, "e4m3"], ids=["bf16", "fp8"])
+def test_compiled_linear_does_not_recompile_after_the_first_microbatch(megatron, fp8):
+    """``is_first_microbatch`` is the eager FP8 cache's flag: a compiled call neither reads nor writes it
+    (a guard on it recompiled the graph at the second step)."""
+    layer = _column(tiny_config(fp8=fp8, fp8_recipe="tensorwise")).to(_device())
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, device=_device())
+    compiled(x)
+    layer.is_first_microbatch = False  # what an eager call, or Megatron between micro-batches, leaves
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(x)
+    assert layer.is_first_microbatch is False
+
+
 def test_norm_factory(megatron):
     assert isinstance(TurboNorm(tiny_config(), 64), TurboRMSNorm)
     assert isinstance(TurboNorm(tiny_config(normalization="LayerNorm"), 64), torch.nn.LayerNorm)
