@@ -37,12 +37,14 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_mod
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
+from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.ops import (
     fused_all_gather_matmul,
     fused_matmul_reduce_scatter,
     gemm,
     gemm_fp8,
     rmsnorm,
+    rmsnorm_fp8,
 )
 from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
 from primus_turbo.pytorch.ops.quantization import QuantizedTensor
@@ -57,6 +59,12 @@ __all__ = [
 ]
 
 _PARALLEL_MODES = ("column", "row", "duplicated")
+# the scalings rmsnorm_fp8 writes (MX blocks have no fused producer)
+_FUSED_NORM_GRANULARITIES = (
+    ScalingGranularity.TENSORWISE,
+    ScalingGranularity.ROWWISE,
+    ScalingGranularity.BLOCKWISE,
+)
 
 
 def param_device(config: Any) -> torch.device | int | None:
@@ -212,13 +220,16 @@ class TurboLinear(_ExtraState, nn.Module):
         return "megatron" if self.config.gradient_accumulation_fusion and self.weight.requires_grad else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1])
+        return self._gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, a: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+        """``a`` [tokens, in] (bf16, or already FP8 from a fused producer) times the weight."""
         accum = self._accum()
         if self.quant_config is None:
-            out = gemm(x2d, self.weight, trans_b=True, fuse_bgrad_accum_pattern=accum)
+            out = gemm(a, self.weight, trans_b=True, fuse_bgrad_accum_pattern=accum)
         else:
             out = gemm_fp8(
-                x2d,
+                a,
                 self._fp8_weight(),
                 trans_b=True,
                 config=self.quant_config,
@@ -226,7 +237,7 @@ class TurboLinear(_ExtraState, nn.Module):
             )
         if not torch.compiler.is_compiling():  # a flag written in the graph would recompile it next step
             self.is_first_microbatch = False if self.is_first_microbatch is not None else None
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
     def _gather_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.communicates or self.parallel_mode != "column":
@@ -414,7 +425,28 @@ class TurboLayerNormColumnParallelLinear(TurboColumnParallelLinear):
         weight = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight
         return F.layer_norm(x, (x.shape[-1],), weight, self.layer_norm_bias, self.eps)
 
+    def _fuses_norm_into_fp8(self) -> bool:
+        """FP8 RMSNorm whose input needs no gather: the norm writes the GEMM's FP8 operand itself."""
+        config = self.quant_config
+        return (
+            config is not None
+            and self.normalization == "RMSNorm"
+            and not self.communicates
+            and config.granularity in _FUSED_NORM_GRANULARITIES
+        )
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._fuses_norm_into_fp8():
+            # no bf16 normalized activation is written and read back for quantization
+            quantized = rmsnorm_fp8(
+                x.reshape(-1, x.shape[-1]),
+                self.layer_norm_weight,
+                self.quant_config,
+                self.eps,
+                self.zero_centered,
+                columnwise=self.weight.requires_grad,
+            )
+            return self._add_bias(self._gemm(quantized).view(*x.shape[:-1], self.out_features))
         return self._add_bias(self._gather_matmul(self._norm(x)))
 
     def extra_repr(self) -> str:

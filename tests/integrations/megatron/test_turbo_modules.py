@@ -78,6 +78,51 @@ def test_layernorm_linear_matches_norm_then_linear(megatron):
     assert layer.layer_norm_weight.grad is not None and x.grad is not None
 
 
+def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(10 * torch.log10(want.pow(2).sum() / (got.float() - want).pow(2).sum()))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
+def test_fp8_layernorm_linear_writes_the_fp8_operand_from_the_norm(megatron, recipe, fp8):
+    """With FP8 and no input gather, the norm writes the GEMM's FP8 operand (rmsnorm_fp8) instead of a bf16
+    activation that the GEMM quantizes again; output and every gradient against the fp32 reference."""
+    config = tiny_config(fp8=fp8, fp8_recipe=recipe)
+    common = dict(config=config, init_method=_init, gather_output=False, bias=False, skip_bias_add=False)
+    layer = TurboLayerNormColumnParallelLinear(256, 128, is_expert=False, **common).to(_device())
+    assert layer._fuses_norm_into_fp8()
+    with torch.no_grad():
+        layer.layer_norm_weight.uniform_(0.5, 1.5)
+    x = torch.randn(16, 2, 256, dtype=torch.bfloat16, device=_device(), requires_grad=True)
+    g = torch.randn(16, 2, 128, dtype=torch.bfloat16, device=_device())
+    out, _ = layer(x)
+    out.backward(g)
+
+    xf = x.detach().float().requires_grad_()
+    gamma = layer.layer_norm_weight.detach().float().requires_grad_()
+    weight = layer.weight.detach().float().requires_grad_()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon) * gamma
+    ref = normed @ weight.t()
+    ref.backward(g.float())
+    backward_db = 20 if fp8 == "hybrid" else 25  # E5M2 gradients under HYBRID
+    assert _snr_db(out, ref.detach()) >= 25
+    assert _snr_db(x.grad, xf.grad) >= backward_db
+    assert _snr_db(layer.layer_norm_weight.grad, gamma.grad) >= backward_db
+    assert _snr_db(layer.weight.grad, weight.grad) >= backward_db
+
+
+def test_fp8_layernorm_linear_keeps_the_bf16_norm_where_it_cannot_fuse(megatron):
+    layer = TurboLayerNormColumnParallelLinear(
+        256, 128, config=tiny_config(fp8="e4m3", fp8_recipe="mxfp8"), init_method=_init,
+        gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+    )  # fmt: skip
+    assert not layer._fuses_norm_into_fp8()  # MX blocks: no fused producer
+    assert not TurboLayerNormColumnParallelLinear(
+        256, 128, config=tiny_config(), init_method=_init,
+        gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+    )._fuses_norm_into_fp8()  # fmt: skip
+
+
 def test_bad_constructor_arguments_raise(megatron):
     config = tiny_config()
     with pytest.raises(ValueError, match="gather_output"):
