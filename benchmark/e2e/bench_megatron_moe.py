@@ -28,6 +28,14 @@ VARIANTS = {
     "turbo-bf16-graph": ["--cuda-graph"],
     "turbo-fp8-blockwise-graph": ["--fp8", "e4m3", "--fp8-recipe", "blockwise", "--cuda-graph"],
     "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],
+    "turbo-fp8-blockwise-compiled-graph": [
+        "--fp8",
+        "e4m3",
+        "--fp8-recipe",
+        "blockwise",
+        "--compile",
+        "--cuda-graph",
+    ],
 }
 
 
