@@ -37,7 +37,6 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_mod
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.ops import (
     fused_all_gather_matmul,
     fused_matmul_reduce_scatter,
@@ -47,7 +46,7 @@ from primus_turbo.pytorch.ops import (
     rmsnorm_fp8,
 )
 from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
-from primus_turbo.pytorch.ops.quantization import QuantizedTensor
+from primus_turbo.pytorch.ops.quantization import FUSED_FP8_GRANULARITIES, QuantizedTensor
 
 __all__ = [
     "TurboColumnParallelLinear",
@@ -59,12 +58,6 @@ __all__ = [
 ]
 
 _PARALLEL_MODES = ("column", "row", "duplicated")
-# the scalings rmsnorm_fp8 writes (MX blocks have no fused producer)
-_FUSED_NORM_GRANULARITIES = (
-    ScalingGranularity.TENSORWISE,
-    ScalingGranularity.ROWWISE,
-    ScalingGranularity.BLOCKWISE,
-)
 
 
 def param_device(config: Any) -> torch.device | int | None:
@@ -432,7 +425,7 @@ class TurboLayerNormColumnParallelLinear(TurboColumnParallelLinear):
             config is not None
             and self.normalization == "RMSNorm"
             and not self.communicates
-            and config.granularity in _FUSED_NORM_GRANULARITIES
+            and config.granularity in FUSED_FP8_GRANULARITIES
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -43,6 +43,7 @@ from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
 )
 
 __all__ = [
+    "FUSED_FP8_GRANULARITIES",
     "QuantizedTensor",
     "dequantize_fp4",
     "dequantize_fp8",
@@ -314,7 +315,12 @@ class QuantizedTensor:
         )
 
 
-_FUSABLE = (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE, ScalingGranularity.BLOCKWISE)
+# the scalings a fused producer (rmsnorm_fp8, swiglu_fp8) writes; MX blocks have none
+FUSED_FP8_GRANULARITIES = (
+    ScalingGranularity.TENSORWISE,
+    ScalingGranularity.ROWWISE,
+    ScalingGranularity.BLOCKWISE,
+)
 
 
 def fused_fp8_settings(config: object, producer: str) -> tuple[torch.dtype, int, int]:
@@ -322,7 +328,7 @@ def fused_fp8_settings(config: object, producer: str) -> tuple[torch.dtype, int,
     along the last dimension (``rmsnorm_fp8``, ``swiglu_fp8``): E4M3 under HYBRID, no MX."""
     if not isinstance(config, Float8QuantConfig):
         raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
-    if config.granularity not in _FUSABLE:
+    if config.granularity not in FUSED_FP8_GRANULARITIES:
         raise ValueError(
             f"{producer} fuses TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
         )

@@ -20,6 +20,7 @@ from tests.integrations.megatron.megatron_harness import (
     tiny_config,
     tiny_moe_config,
 )
+from tests.pytorch.test_utils import compute_snr
 
 
 def _init(w: torch.Tensor) -> None:
@@ -78,10 +79,6 @@ def test_layernorm_linear_matches_norm_then_linear(megatron):
     assert layer.layer_norm_weight.grad is not None and x.grad is not None
 
 
-def _snr_db(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(10 * torch.log10(want.pow(2).sum() / (got.float() - want).pow(2).sum()))
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
 def test_fp8_layernorm_linear_writes_the_fp8_operand_from_the_norm(megatron, recipe, fp8):
@@ -105,10 +102,10 @@ def test_fp8_layernorm_linear_writes_the_fp8_operand_from_the_norm(megatron, rec
     ref = normed @ weight.t()
     ref.backward(g.float())
     backward_db = 20 if fp8 == "hybrid" else 25  # E5M2 gradients under HYBRID
-    assert _snr_db(out, ref.detach()) >= 25
-    assert _snr_db(x.grad, xf.grad) >= backward_db
-    assert _snr_db(layer.layer_norm_weight.grad, gamma.grad) >= backward_db
-    assert _snr_db(layer.weight.grad, weight.grad) >= backward_db
+    assert compute_snr(ref.detach(), out) >= 25
+    assert compute_snr(xf.grad, x.grad) >= backward_db
+    assert compute_snr(gamma.grad, layer.layer_norm_weight.grad) >= backward_db
+    assert compute_snr(weight.grad, layer.weight.grad) >= backward_db
 
 
 def test_fp8_layernorm_linear_keeps_the_bf16_norm_where_it_cannot_fuse(megatron):
