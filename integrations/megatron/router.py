@@ -75,6 +75,12 @@ class _LossScale:
 _LOSS_SCALE = _LossScale()
 
 
+def _scaled_ones(aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if scale.numel() != 1:
+        raise ValueError(f"the aux-loss scale must have one element, got shape {tuple(scale.shape)}")
+    return torch.ones_like(aux_loss) * scale
+
+
 @torch.library.custom_op("primus_turbo::megatron_aux_loss_grad", mutates_args=())
 def _aux_loss_grad(grad_output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The auxiliary loss's gradient, ``ones_like(aux_loss) * scale``, as Megatron's backward computes it.
@@ -83,12 +89,12 @@ def _aux_loss_grad(grad_output: torch.Tensor, aux_loss: torch.Tensor, scale: tor
     backward nodes that do not depend on an incoming gradient into the forward, and the decompositions
     drop the dependency of ``grad_output.new_ones``; the scale would then be read before Megatron sets it.
     """
-    return torch.ones_like(aux_loss) * scale
+    return _scaled_ones(aux_loss, scale)
 
 
 @_aux_loss_grad.register_fake
 def _(grad_output: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.ones_like(aux_loss) * scale
+    return _scaled_ones(aux_loss, scale)
 
 
 class _ScaledAuxLoss(torch.autograd.Function):

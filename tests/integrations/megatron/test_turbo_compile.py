@@ -223,3 +223,36 @@ def test_aux_loss_grad_op(scale_shape):
     expected = torch.ones_like(aux_loss) * scale
     torch.testing.assert_close(_aux_loss_grad(grad_output, aux_loss, scale), expected)
     torch.library.opcheck(_aux_loss_grad, (grad_output, aux_loss, scale))
+
+
+def test_aux_loss_grad_op_rejects_a_scale_of_more_than_one_element():
+    from primus_turbo.integrations.megatron.router import _aux_loss_grad
+
+    grad_output, aux_loss = torch.randn(16, 4, device=_device()), torch.rand((), device=_device())
+    with pytest.raises(ValueError, match="one element"):
+        _aux_loss_grad(grad_output, aux_loss, torch.ones(2, device=_device()))
+
+
+def test_scaled_aux_loss_compiles_fullgraph_and_reads_the_scale_in_backward(megatron):
+    """The compiled scaler and its op alone, ``fullgraph=True`` under inductor, match eager with the scale
+    set between forward and backward (Megatron's order). This small graph does not show the partitioner
+    moving the gradient into the forward; the MoE-layer test above does."""
+    from primus_turbo.integrations.megatron.router import _ScaledAuxLoss
+
+    scale = torch.ones((), device=_device())
+    weight = torch.randn(4, 4, device=_device(), requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x @ weight
+        return _ScaledAuxLoss.apply(y, y.pow(2).mean(), scale).relu()
+
+    x = torch.randn(3, 4, device=_device())
+    grads = []
+    for run in (step, torch.compile(step, backend="inductor", fullgraph=True)):
+        out = run(x)
+        scale.fill_(0.25)
+        out.sum().backward()
+        scale.fill_(1.0)
+        grads.append(weight.grad)
+        weight.grad = None
+    torch.testing.assert_close(grads[1], grads[0])
