@@ -179,13 +179,16 @@ def quantize_fp8_with_trans(
     then ``q`` transposed and ``scale_inv_t`` the transposed scales. 1-D block scales (BLOCKWISE 1 x
     block, MX) are stored block-major, the rows of each block adjacent (strides ``(1, rows)``), the
     layout cuBLASLt's block-scaled GEMMs read, so no GEMM call has to copy them.
+
+    Under 2-D block scaling ``x`` may also be a stack of weights (G, M, K) (experts): each slice is
+    quantized on its own, ``q_t`` is (G, K, M) and the scales (G, M / B, K / B) and (G, K / B, M / B).
     """
     _check_input(x, out_dtype)
-    check_tensor("x", x, dim=2)
-    axis = None if granularity is ScalingGranularity.TENSORWISE else 1
-    if scaling_recipe is not None and scaling_recipe.use_2d_block:
-        axis = None
-    block, _, block_2d = _resolve(x.shape, granularity, block_size, axis, scaling_recipe)
+    block_2d = scaling_recipe is not None and scaling_recipe.use_2d_block
+    if not (block_2d and x.dim() == 3):
+        check_tensor("x", x, dim=2)
+    axis = None if granularity is ScalingGranularity.TENSORWISE or block_2d else 1
+    block, _, block_2d = _resolve(x.shape[-2:], granularity, block_size, axis, scaling_recipe)
     if granularity is ScalingGranularity.MX_BLOCKWISE and x.shape[0] % _MX_BLOCK:
         raise ValueError(f"MX_BLOCKWISE with_trans needs M ({x.shape[0]}) to be a multiple of 32")
     return call_op(quantize_fp8_with_trans_impl, x, out_dtype, granularity.value, block, block_2d)

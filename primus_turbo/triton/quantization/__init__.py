@@ -3,6 +3,7 @@
 from primus_turbo.triton.quantization.fp4_quant_kernel import quantize_fp4_rows_triton
 from primus_turbo.triton.quantization.fp8_emit import EMIT_BLOCK, EMIT_ROW, EMIT_TENSOR
 from primus_turbo.triton.quantization.fp8_quant_kernel import (
+    quantize_fp8_2d_blocks_triton,
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
     tensorwise_cast_fp8_triton,
@@ -13,6 +14,7 @@ __all__ = [
     "EMIT_ROW",
     "EMIT_TENSOR",
     "quantize_fp4_rows_triton",
+    "quantize_fp8_2d_blocks_triton",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",
     "tensorwise_cast_fp8_triton",

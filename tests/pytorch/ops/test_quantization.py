@@ -226,6 +226,34 @@ def test_with_trans_equals_two_single_quantizations(granularity, kwargs, shape, 
     assert _same_bits(q, q_single) and _same_bits(s, s_single)
 
 
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("shape", [(3, 160, 96), (2, 256, 128)], ids=str)
+def test_with_trans_of_a_weight_stack_quantizes_each_slice(shape, block):
+    """A stack of expert weights (G, M, K) under 2-D blocks: each slice as ``quantize_fp8`` of that
+    weight alone (the TORCH reference, bit for bit), its transposed copy (G, K, M) the same bytes."""
+    x = _input(shape)
+    x[1, 5, 7], x[-1, -1, -1] = float("nan"), float("inf")
+    recipe = ScalingRecipe(use_2d_block=True)
+    q, s, q_t, s_t = quantize_fp8_with_trans(x, E4M3, G.BLOCKWISE, block_size=block, scaling_recipe=recipe)
+    blocks = (-(-shape[1] // block), -(-shape[2] // block))
+    assert q.shape == shape and q_t.shape == (shape[0], shape[2], shape[1]) and q_t.is_contiguous()
+    assert s.shape == (shape[0], *blocks) and s_t.shape == (shape[0], *blocks[::-1])
+    for i in range(shape[0]):
+        q_ref, s_ref = _reference(x[i], E4M3, G.BLOCKWISE, {"block_size": block, "scaling_recipe": recipe})
+        assert _same_bits(q[i], q_ref) and _same_bits(s[i], s_ref)
+        assert _same_bits(q_t[i], q_ref.t()) and _same_bits(s_t[i], s_ref.t())
+    # opcheck compares outputs with assert_close, to which the NaN scales are unequal
+    clean = _input(shape)
+    torch.library.opcheck(impl.quantize_fp8_with_trans_impl, (clean, E4M3, G.BLOCKWISE.value, block, True))
+
+
+def test_with_trans_takes_a_stack_only_under_2d_blocks():
+    x = _input((2, 64, 96))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_with_trans(x, E4M3, G.BLOCKWISE, block_size=32)
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_fp8_with_trans(x, E4M3, G.TENSORWISE)
+
 @pytest.mark.deterministic
 @pytest.mark.parametrize("granularity,kwargs", CASES, ids=CASE_IDS)
 def test_quantization_is_deterministic(granularity, kwargs):
