@@ -254,6 +254,7 @@ def test_with_trans_takes_a_stack_only_under_2d_blocks():
     with pytest.raises(ValueError, match="2-D"):
         quantize_fp8_with_trans(x, E4M3, G.TENSORWISE)
 
+
 @pytest.mark.deterministic
 @pytest.mark.parametrize("granularity,kwargs", CASES, ids=CASE_IDS)
 def test_quantization_is_deterministic(granularity, kwargs):
