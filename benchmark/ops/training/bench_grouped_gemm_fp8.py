@@ -73,7 +73,7 @@ def bench_case(case, lens: torch.Tensor, labels: list[str], args: argparse.Names
     flops = 2 * tokens * case.n * case.k
     fwd_dtype = torch.float8_e4m3fn
     qa, sa = _quantize_tokens(a.detach(), fwd_dtype, config)
-    qb, sb = _quantize_experts(b.detach(), fwd_dtype, config, 2)
+    (qb, sb), _ = _quantize_experts(b.detach(), fwd_dtype, config, trans_b=True, dgrad=False)
     block = _block(config)
     peer = _scaled_peer(qa, sa, qb, sb, offs32, args.granularity)
     try:

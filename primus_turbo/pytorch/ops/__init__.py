@@ -18,7 +18,7 @@ from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
 from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
-from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
+from primus_turbo.pytorch.ops.grouped_gemm_fp8 import QuantizedExperts, grouped_gemm_fp8, quantize_fp8_experts
 from primus_turbo.pytorch.ops.moe import (
     fused_group_topk_routing_with_aux_score,
     moe_combine,
@@ -39,6 +39,7 @@ from primus_turbo.pytorch.ops.quantization import (
 )
 
 __all__ = [
+    "QuantizedExperts",
     "QuantizedTensor",
     "dequantize_fp4",
     "dequantize_fp8",
@@ -57,6 +58,7 @@ __all__ = [
     "gemm_fp8",
     "grouped_gemm",
     "grouped_gemm_fp8",
+    "quantize_fp8_experts",
     "moe_combine",
     "moe_dispatch",
     "moe_permute",

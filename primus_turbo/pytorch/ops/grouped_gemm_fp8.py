@@ -20,6 +20,8 @@ token-major.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from primus_turbo.pytorch.core.custom_op import call_op
@@ -30,7 +32,7 @@ from primus_turbo.pytorch.core.low_precision import (
     ScalingRecipe,
     fp8_dtype_for,
 )
-from primus_turbo.pytorch.core.validation import check_dtype
+from primus_turbo.pytorch.core.validation import check_dtype, check_tensor
 from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
 from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     group_block_layout,
@@ -44,7 +46,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
 from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_trans
 
-__all__ = ["grouped_gemm_fp8"]
+__all__ = ["QuantizedExperts", "grouped_gemm_fp8", "quantize_fp8_experts"]
 
 _G = ScalingGranularity
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,26 +68,74 @@ def _contiguous_along(q: torch.Tensor, axis: int) -> torch.Tensor:
     return call_op(transpose_last_two_impl, q.transpose(1, 2))
 
 
-def _quantize_experts(b: torch.Tensor, dtype: torch.dtype, config: Float8QuantConfig, axis: int):
-    """Expert weights [G, X, Y] for a GEMM reducing over ``axis`` (1 or 2): one scale per expert
-    ([G, 1, 1]), per row along ``axis``, or per B x B tile ([G, X / B, Y / B]). ``q`` has b's shape with
-    ``axis`` contiguous in memory."""
-    granularity = config.granularity
-    if granularity is _G.BLOCKWISE:
-        block = config.block_size
-        recipe = ScalingRecipe(use_2d_block=True)
-        q, scale = quantize_fp8(
-            b.reshape(-1, b.shape[2]), dtype, granularity, block_size=block, scaling_recipe=recipe
-        )
-        return _contiguous_along(q.view(b.shape), axis), scale.view(b.shape[0], b.shape[1] // block, -1)
-    if granularity is _G.TENSORWISE:
-        q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
-        return _contiguous_along(q.view(b.shape), axis), scale.view(-1, 1, 1)
+def _rowwise_along(b: torch.Tensor, dtype: torch.dtype, axis: int):
+    """Expert weights [G, X, Y] with one scale per row along ``axis``, ``axis`` contiguous in memory."""
     if axis == 2:
         return quantize_fp8(b, dtype, _G.ROWWISE, axis=2)
     # along the middle dimension: quantize the rows of a transposed copy, which is the wanted layout
     q, scale = quantize_fp8(call_op(transpose_last_two_impl, b), dtype, _G.ROWWISE, axis=2)
     return q.transpose(1, 2), scale.transpose(1, 2)
+
+
+def _quantize_experts(
+    b: torch.Tensor, dtype: torch.dtype, config: Float8QuantConfig, trans_b: bool, dgrad: bool
+):
+    """Expert weights [G, N, K] (``trans_b``) or [G, K, N]: ``(q, scale)`` for the forward (reducing over
+    K) and, with ``dgrad``, for the input gradient (reducing over N), else None. Each ``q`` has b's shape
+    with its reduction dimension contiguous; scales are one per expert ([G, 1, 1]), per row along the
+    reduction, or per B x B tile ([G, X / B, Y / B]), in b's layout. 2-D blocks write both copies from one
+    read of ``b``."""
+    k_axis = 2 if trans_b else 1
+    n_axis = 3 - k_axis
+    granularity = config.granularity
+    if granularity is _G.BLOCKWISE:
+        block, recipe = config.block_size, ScalingRecipe(use_2d_block=True)
+        if dgrad or k_axis == 1:
+            q, scale, q_t, _ = quantize_fp8_with_trans(
+                b, dtype, granularity, block_size=block, scaling_recipe=recipe
+            )
+            along = {2: q, 1: q_t.transpose(1, 2)}
+            return (along[k_axis], scale), (along[n_axis], scale) if dgrad else None
+        q, scale = quantize_fp8(
+            b.reshape(-1, b.shape[2]), dtype, granularity, block_size=block, scaling_recipe=recipe
+        )
+        return (q.view(b.shape), scale.view(b.shape[0], b.shape[1] // block, -1)), None
+    if granularity is _G.TENSORWISE:
+        q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
+        q, scale = q.view(b.shape), scale.view(-1, 1, 1)
+        dgrad_pair = (_contiguous_along(q, n_axis), scale) if dgrad else None
+        return (_contiguous_along(q, k_axis), scale), dgrad_pair
+    return _rowwise_along(b, dtype, k_axis), _rowwise_along(b, dtype, n_axis) if dgrad else None
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """Expert weights quantized once for ``grouped_gemm_fp8`` (``quantize_fp8_experts``): the forward's
+    copy and the input gradient's, each ``(q, scale_inv)`` with its reduction dimension contiguous. Reuse
+    it while the weights are unchanged (across micro-batches); the weight gradient still goes to ``b``."""
+
+    forward: tuple[torch.Tensor, torch.Tensor]
+    dgrad: tuple[torch.Tensor, torch.Tensor]
+    config: Float8QuantConfig
+    trans_b: bool
+    shape: torch.Size
+
+
+def quantize_fp8_experts(
+    b: torch.Tensor, config: Float8QuantConfig | None = None, trans_b: bool = False
+) -> QuantizedExperts:
+    """The FP8 copies of expert weights ``b`` ([G, N, K] with ``trans_b``, else [G, K, N]) that
+    ``grouped_gemm_fp8(a, b, ..., trans_b=trans_b, config=config, b_quantized=...)`` reads, made as it
+    would make them."""
+    config = _check_config(config)
+    check_tensor("b", b, dim=3)
+    check_dtype("b.dtype", b.dtype, _DTYPES)
+    k, n = (b.shape[2], b.shape[1]) if trans_b else (b.shape[1], b.shape[2])
+    _check_block_multiples(k, n, config)
+    dtype = fp8_dtype_for(config.format, is_forward=True)
+    with torch.no_grad():
+        fwd, dgrad = _quantize_experts(b, dtype, config, trans_b, dgrad=True)
+    return QuantizedExperts(fwd, dgrad, config, trans_b, b.shape)
 
 
 def _block(config: Float8QuantConfig) -> int:
@@ -113,13 +163,18 @@ def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype, bl
 
 class _GroupedGemmFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern):
+    def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern, b_quantized):
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
         qa, sa = _quantize_tokens(a, fwd_dtype, config)
-        k_axis = 2 if trans_b else 1  # b is [G, N, K] with trans_b, else [G, K, N]
-        qb, sb = _quantize_experts(b, fwd_dtype, config, k_axis)
+        dgrad = ctx.needs_input_grad[0]
+        if b_quantized is None:
+            (qb, sb), dgrad_b = _quantize_experts(b, fwd_dtype, config, trans_b, dgrad)
+        else:
+            (qb, sb), dgrad_b = b_quantized.forward, b_quantized.dgrad
         out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype, _block(config))
-        ctx.save_for_backward(a, b, group_offs, qa, sa, qb, sb)
+        # backward reads the weights' dgrad copy only (made here, from the same read as the forward's)
+        qb_d, sb_d = dgrad_b if dgrad else (None, None)
+        ctx.save_for_backward(a, b, group_offs, qa, sa, qb_d, sb_d)
         ctx.trans_b, ctx.config, ctx.accum_pattern = trans_b, config, accum_pattern
         return out
 
@@ -138,12 +193,7 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
             qg, sg, qg_t, _ = quantize_fp8_with_trans(grad_out, grad_dtype, gran)
         elif ctx.needs_input_grad[0]:
             qg, sg = _quantize_tokens(grad_out, grad_dtype, config)
-        if ctx.needs_input_grad[0]:
-            n_axis = 1 if trans_b else 2  # dgrad reduces over N
-            if gran is _G.ROWWISE:  # the weights along N
-                qb, sb = _quantize_experts(b, fwd_dtype, config, n_axis)
-            else:
-                qb = _contiguous_along(qb, n_axis)
+        if ctx.needs_input_grad[0]:  # dgrad reduces over N: the weights' copy along N
             grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype, block)
         if ctx.needs_input_grad[1]:
             # one block layout (group_blocks' running total and first rows) for both quantizers and the GEMM
@@ -156,7 +206,37 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
                 grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, b.dtype, block, base)
-        return grad_a, grad_b, None, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None, None
+
+
+def _check_config(config: Float8QuantConfig | None) -> Float8QuantConfig:
+    config = Float8QuantConfig() if config is None else config
+    if not isinstance(config, Float8QuantConfig):
+        raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
+    if config.granularity not in (_G.TENSORWISE, _G.ROWWISE, _G.BLOCKWISE):
+        raise ValueError(
+            f"grouped_gemm_fp8 takes TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
+        )
+    return config
+
+
+def _check_block_multiples(k: int, n: int, config: Float8QuantConfig) -> None:
+    if config.granularity is _G.BLOCKWISE and (k % config.block_size or n % config.block_size):
+        raise ValueError(
+            f"grouped_gemm_fp8: BLOCKWISE needs K ({k}) and N ({n}) to be multiples of "
+            f"block_size ({config.block_size})"
+        )
+
+
+def _check_b_quantized(b_quantized: QuantizedExperts, b: torch.Tensor, trans_b: bool, config) -> None:
+    if not isinstance(b_quantized, QuantizedExperts):
+        raise TypeError(f"b_quantized must be a QuantizedExperts (quantize_fp8_experts), got {b_quantized!r}")
+    made = (b_quantized.shape, b_quantized.trans_b, b_quantized.config)
+    if made != (b.shape, trans_b, config):
+        raise ValueError(
+            f"b_quantized was made for shape {tuple(made[0])}, trans_b={made[1]}, {made[2]}; this call has "
+            f"b of shape {tuple(b.shape)}, trans_b={trans_b}, {config}"
+        )
 
 
 def grouped_gemm_fp8(
@@ -168,30 +248,22 @@ def grouped_gemm_fp8(
     out_dtype: torch.dtype | None = None,
     config: Float8QuantConfig | None = None,
     fuse_bgrad_accum_pattern: str | None = None,
+    b_quantized: QuantizedExperts | None = None,
 ) -> torch.Tensor:
     """``grouped_gemm`` with FP8 operands (TENSORWISE, ROWWISE or BLOCKWISE ``config``, default
     tensorwise E4M3), differentiable in ``a`` and ``b``; ``out_dtype`` defaults to ``a``'s dtype.
-    BLOCKWISE needs K and N to be multiples of the block size."""
-    config = Float8QuantConfig() if config is None else config
-    if not isinstance(config, Float8QuantConfig):
-        raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
-    if config.granularity not in (_G.TENSORWISE, _G.ROWWISE, _G.BLOCKWISE):
-        raise ValueError(
-            f"grouped_gemm_fp8 takes TENSORWISE, ROWWISE or BLOCKWISE scaling, not {config.granularity.name}"
-        )
+    BLOCKWISE needs K and N to be multiples of the block size. ``b_quantized`` (``quantize_fp8_experts``
+    of ``b`` with the same ``trans_b`` and ``config``) is read instead of quantizing ``b`` again."""
+    config = _check_config(config)
     check_grouped_args(a, b, group_lens, trans_b)
-    if config.granularity is _G.BLOCKWISE:
-        k, n = a.shape[1], b.shape[1] if trans_b else b.shape[2]
-        if k % config.block_size or n % config.block_size:
-            raise ValueError(
-                f"grouped_gemm_fp8: BLOCKWISE needs K ({k}) and N ({n}) to be multiples of "
-                f"block_size ({config.block_size})"
-            )
+    _check_block_multiples(a.shape[1], b.shape[1] if trans_b else b.shape[2], config)
+    if b_quantized is not None:
+        _check_b_quantized(b_quantized, b, trans_b, config)
     check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
     group_offs = compute_group_offs(group_lens) if group_offs is None else group_offs
     a = a if a.stride(-1) == 1 else a.contiguous()
     return _GroupedGemmFp8Function.apply(
-        a, b, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern
+        a, b, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern, b_quantized
     )

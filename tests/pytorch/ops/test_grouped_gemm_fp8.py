@@ -10,7 +10,7 @@ import torch
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_fp8_impl as impl
-from primus_turbo.pytorch.ops import grouped_gemm_fp8
+from primus_turbo.pytorch.ops import grouped_gemm_fp8, quantize_fp8_experts
 from tests.pytorch.ops.test_grouped_gemm import _group_lens, _operands, _reference
 from tests.pytorch.test_utils import DEVICES, compute_snr
 
@@ -162,24 +162,55 @@ def test_group_quantization_kernels_match_the_reference(kind, fp8_dtype):
 
 
 @pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
-@pytest.mark.parametrize("axis", [1, 2])
-def test_expert_weights_are_quantized_k_major(granularity, axis):
-    """The FP8 copy of the expert weights has the GEMM's reduction dimension contiguous (what FP8 tensor
-    cores read) and the same values and scales in either layout."""
-    from primus_turbo.pytorch.ops.grouped_gemm_fp8 import _quantize_experts
-
+@pytest.mark.parametrize("trans_b", [True, False], ids=["trans_b", "no_trans_b"])
+def test_expert_weights_are_quantized_along_each_reduction(granularity, trans_b):
+    """The forward's FP8 copy of the expert weights has K contiguous and the input gradient's N (what FP8
+    tensor cores read); 2-D block and tensorwise scales serve both, so the two hold the same bytes."""
     block = 32
     b = torch.randn(3, 2 * block, 3 * block, device=DEVICE, dtype=torch.bfloat16)
-    blocks = block if granularity is G.BLOCKWISE else None
-    config = Float8QuantConfig(granularity=granularity, block_size=blocks)
-    q, scale = _quantize_experts(b, torch.float8_e4m3fn, config, axis)
-    assert q.shape == b.shape and q.stride(axis) == 1
-    if granularity is G.BLOCKWISE:
-        scale = impl.expand_scale(scale, b.shape, G.BLOCKWISE.value, block, 2, True)
-    assert compute_snr(b.float(), q.float() * scale) >= 25
-    if granularity is not G.ROWWISE:  # the scales do not depend on the direction: same values
-        other, _ = _quantize_experts(b, torch.float8_e4m3fn, config, 3 - axis)
-        assert torch.equal(q.contiguous().view(torch.uint8), other.contiguous().view(torch.uint8))
+    config = Float8QuantConfig(
+        granularity=granularity, block_size=block if granularity is G.BLOCKWISE else None
+    )
+    made = quantize_fp8_experts(b, config, trans_b=trans_b)
+    k_axis = 2 if trans_b else 1
+    for (q, scale), axis in ((made.forward, k_axis), (made.dgrad, 3 - k_axis)):
+        assert q.shape == b.shape and q.stride(axis) == 1
+        if granularity is G.BLOCKWISE:
+            scale = impl.expand_scale(scale, b.shape, G.BLOCKWISE.value, block, 2, True)
+        assert compute_snr(b.float(), q.float() * scale) >= 25
+    if granularity is not G.ROWWISE:
+        forward, dgrad = made.forward[0].contiguous(), made.dgrad[0].contiguous()
+        assert torch.equal(forward.view(torch.uint8), dgrad.view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
+def test_prequantized_experts_give_the_same_results(granularity):
+    """``b_quantized`` (weights quantized once, reused across micro-batches) changes nothing: the same
+    output and gradients, bit for bit, the weight gradient still reaching ``b``."""
+    lens = _group_lens("skewed", 4, 16)
+    a, b, grad = _operands(lens, 64, 64, True, torch.bfloat16)
+    config = Float8QuantConfig(granularity=granularity, block_size=32 if granularity is G.BLOCKWISE else None)
+    results = []
+    for b_quantized in (None, quantize_fp8_experts(b.detach(), config, trans_b=True)):
+        a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+        out = grouped_gemm_fp8(a_, b_, lens, trans_b=True, config=config, b_quantized=b_quantized)
+        out.backward(grad)
+        results.append((out, a_.grad, b_.grad))
+    for plain, cached in zip(*results, strict=True):
+        assert torch.equal(plain, cached)
+
+
+def test_prequantized_experts_must_match_the_call():
+    lens = _group_lens("balanced", 2, 8)
+    a, b, _ = _operands(lens, 64, 64, True, torch.bfloat16)
+    config = Float8QuantConfig(granularity=G.ROWWISE)
+    made = quantize_fp8_experts(b.detach(), config, trans_b=True)
+    with pytest.raises(ValueError, match="b_quantized was made for"):
+        grouped_gemm_fp8(a, b, lens, trans_b=False, config=config, b_quantized=made)
+    with pytest.raises(ValueError, match="b_quantized was made for"):
+        grouped_gemm_fp8(a, b, lens, trans_b=True, config=Float8QuantConfig(), b_quantized=made)
+    with pytest.raises(TypeError, match="QuantizedExperts"):
+        grouped_gemm_fp8(a, b, lens, trans_b=True, config=config, b_quantized=made.forward)
 
 
 def test_megatron_fused_wgrad_accumulation():
