@@ -20,9 +20,14 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
-from primus_turbo.integrations.megatron.linear import _ExtraState, init_partitioned_weight, param_device
+from primus_turbo.integrations.megatron.linear import (
+    FP8WeightCache,
+    _ExtraState,
+    init_partitioned_weight,
+    param_device,
+)
 from primus_turbo.pytorch.modules.grouped_linear import grouped_linear
-from primus_turbo.pytorch.ops import swiglu_with_probs
+from primus_turbo.pytorch.ops import QuantizedExperts, quantize_fp8_experts, swiglu_with_probs
 
 __all__ = [
     "TurboColumnParallelGroupedLinear",
@@ -79,7 +84,8 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
     """``TEGroupedLinear``'s contract: ``num_gemms`` experts' weights ``weight0..weight{n-1}`` [out, in]
     (TE's names), ``forward(x, m_splits)`` over tokens sorted by expert, ``m_splits`` a device tensor (no
     host sync) or a list. The experts' tensor-parallel split (column: output features, row: input
-    features) is sized here; the token dispatcher moves the data."""
+    features) is sized here; the token dispatcher moves the data. Under FP8 the quantized weights are
+    reused across micro-batches (``is_first_microbatch``) until they change."""
 
     def __init__(
         self,
@@ -103,6 +109,8 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         self.config, self.num_gemms, self.parallel_mode = config, num_gemms, parallel_mode
         self.is_expert, self.tp_comm_buffer_name = is_expert, tp_comm_buffer_name
         self.quant_config = fp8_quant_config(config)
+        self.is_first_microbatch = True
+        self._weight_cache = FP8WeightCache()
         group = _expert_tp_group(pg_collection) if parallel_mode in ("column", "row") else None
         self._tp_group, self._pg_collection = group, pg_collection
         tp_size, rank = get_pg_size(group), get_pg_rank(group)
@@ -161,7 +169,22 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``."""
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
         bias = self._stacked("bias") if self.use_bias else None
-        return grouped_linear(x, self._stacked("weight"), bias, group_lens, self.quant_config), None
+        weight = self._stacked("weight")
+        out = grouped_linear(x, weight, bias, group_lens, self.quant_config, self._fp8_weight(weight))
+        if not torch.compiler.is_compiling():  # a flag written in the graph would recompile it next step
+            self.is_first_microbatch = False if self.is_first_microbatch is not None else None
+        return out, None
+
+    def _fp8_weight(self, weight: torch.Tensor) -> QuantizedExperts | None:
+        """The experts' FP8 copies, made once per weight update across micro-batches (``is_first_microbatch``)
+        or None (quantized in the call)."""
+        if self.quant_config is None:
+            return None
+        return self._weight_cache.get(
+            self,
+            self._experts("weight"),
+            lambda: quantize_fp8_experts(weight.detach(), self.quant_config, trans_b=True),
+        )
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward (no delayed wgrad)."""

@@ -13,7 +13,7 @@ quantized weight is reused across micro-batches (``is_first_microbatch``) until 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
 from primus_turbo.pytorch.ops.quantization import FUSED_FP8_GRANULARITIES, QuantizedTensor
 
 __all__ = [
+    "FP8WeightCache",
     "TurboColumnParallelLinear",
     "TurboLayerNormColumnParallelLinear",
     "TurboLinear",
@@ -58,6 +59,38 @@ __all__ = [
 ]
 
 _PARALLEL_MODES = ("column", "row", "duplicated")
+
+
+def _capturing_cuda_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class FP8WeightCache:
+    """A module's FP8 weight copies, made once per weight update and reused across micro-batches
+    (``is_first_microbatch``, as TE's modules do).
+
+    Off (``get`` returns None: quantize in the call) when ``is_first_microbatch`` is None or Megatron's
+    ``disable_parameter_transpose_cache`` is set (as for TE's modules), inside a torch.compile graph
+    (checked first: no guard on the flag), and while a CUDA graph is being captured: a replayed graph
+    must quantize the weights the optimizer has changed since, and a cache hit at capture time would
+    leave the quantization out of the graph for good.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[tuple[int, int], ...] | None = None
+        self.value: Any = None
+
+    def get(self, module: nn.Module, weights: Sequence[torch.Tensor], make: Callable[[], Any]) -> Any:
+        """The cached copies of ``weights`` (``make()`` again when the weights changed, by an in-place
+        update or a new storage, or on the first micro-batch)."""
+        if torch.compiler.is_compiling() or module.is_first_microbatch is None or _capturing_cuda_graph():
+            return None
+        if getattr(module.config, "disable_parameter_transpose_cache", False):
+            return None
+        key = tuple((w._version, w.data_ptr()) for w in weights)
+        if module.is_first_microbatch or self.key != key:
+            self.key, self.value = key, make()
+        return self.value
 
 
 def param_device(config: Any) -> torch.device | int | None:
@@ -144,7 +177,7 @@ class TurboLinear(_ExtraState, nn.Module):
         self.skip_bias_add, self.tp_comm_buffer_name = skip_bias_add, tp_comm_buffer_name
         self.is_first_microbatch = True
         self.quant_config = fp8_quant_config(config)
-        self._weight_cache: tuple[int, int, QuantizedTensor] | None = None
+        self._weight_cache = FP8WeightCache()
         expert_parallel = config.expert_model_parallel_size > 1
         if parallel_mode == "duplicated":
             self._tp_group, tp_size, rank = None, 1, 0
@@ -201,12 +234,10 @@ class TurboLinear(_ExtraState, nn.Module):
 
     def _fp8_weight(self) -> QuantizedTensor | torch.Tensor:
         """The weight's FP8 copies, made once per weight update while ``is_first_microbatch`` is not None."""
-        if torch.compiler.is_compiling() or self.is_first_microbatch is None:
-            return self.weight  # compiled graphs quantize in the graph (checked first: no guard on the flag)
-        key = (self.weight._version, self.weight.data_ptr())
-        if self.is_first_microbatch or self._weight_cache is None or self._weight_cache[:2] != key:
-            self._weight_cache = (*key, quantize_fp8_weight(self.weight, self.quant_config))
-        return self._weight_cache[2]
+        cached = self._weight_cache.get(
+            self, (self.weight,), lambda: quantize_fp8_weight(self.weight, self.quant_config)
+        )
+        return self.weight if cached is None else cached
 
     def _accum(self) -> str | None:
         """Megatron's fused wgrad accumulation into ``weight.main_grad``, where the config asks for it."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
-from primus_turbo.pytorch.ops.grouped_gemm_fp8 import grouped_gemm_fp8
+from primus_turbo.pytorch.ops.grouped_gemm_fp8 import QuantizedExperts, grouped_gemm_fp8
 
 __all__ = ["GroupedLinear", "grouped_linear"]
 
@@ -20,13 +20,15 @@ def grouped_linear(
     bias: torch.Tensor | None,
     group_lens: torch.Tensor,
     config: Float8QuantConfig | None = None,
+    weight_fp8: QuantizedExperts | None = None,
 ) -> torch.Tensor:
     """``x[rows of g] @ weight[g].T + bias[g]`` for ``weight`` [G, out, in] and ``bias`` [G, out] or None,
-    over tokens sorted by group (int64 ``group_lens`` on x's device); FP8 GEMMs with ``config``."""
+    over tokens sorted by group (int64 ``group_lens`` on x's device); FP8 GEMMs with ``config``, reading
+    ``weight_fp8`` (``quantize_fp8_experts(weight, config, trans_b=True)``, made beforehand) when given."""
     if config is None:
         out = grouped_gemm(x, weight, group_lens, trans_b=True)
     else:
-        out = grouped_gemm_fp8(x, weight, group_lens, trans_b=True, config=config)
+        out = grouped_gemm_fp8(x, weight, group_lens, trans_b=True, config=config, b_quantized=weight_fp8)
     if bias is None:
         return out
     group_of_row = torch.repeat_interleave(

@@ -182,19 +182,19 @@ def test_fp8_weight_is_quantized_once_per_weight_update(megatron):
     layer = _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise")).to(_device())
     x = torch.randn(8, 64, dtype=torch.bfloat16, device=_device())
     layer(x)
-    first = layer._weight_cache[2]
+    first = layer._weight_cache.value
     layer(x)
-    assert layer._weight_cache[2] is first  # a later micro-batch reuses the FP8 weight
+    assert layer._weight_cache.value is first  # a later micro-batch reuses the FP8 weight
     with torch.no_grad():
         layer.weight.mul_(2)  # an optimizer step changes the weight in place
     out, _ = layer(x)
-    assert layer._weight_cache[2] is not first
+    assert layer._weight_cache.value is not first
     ref = x.float() @ layer.weight.float().t()
     snr = 10 * torch.log10(ref.pow(2).sum() / (out.float() - ref).pow(2).sum())
     assert snr > 25
     layer.is_first_microbatch = True
     layer(x)
-    assert layer._weight_cache[2] is not first
+    assert layer._weight_cache.value is not first
 
 
 @pytest.mark.parametrize("fp8", [None, "e4m3"], ids=["bf16", "fp8"])
@@ -370,3 +370,95 @@ def test_grouped_linear_keeps_experts_consecutive_through_state_dict_load(megatr
     other.load_state_dict(fc1.state_dict())
     assert other._stacked("weight").data_ptr() == other.weight0.data_ptr()
     torch.testing.assert_close(other._stacked("weight"), fc1._stacked("weight"), rtol=0, atol=0)
+
+
+@pytest.fixture
+def moe_fp8(megatron, monkeypatch):
+    """Megatron's MoE FP8 configs ask for Transformer Engine; the Turbo patch's gate answers instead."""
+    from megatron.core.transformer import transformer_config
+
+    from primus_turbo.integrations.megatron.patch import _te_gate_without_te
+
+    monkeypatch.setattr(transformer_config, "is_te_min_version", _te_gate_without_te())
+
+
+def _fp8_grouped_fc1(**overrides) -> TurboColumnParallelGroupedLinear:
+    config = tiny_moe_config(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise", **overrides)
+    return TurboColumnParallelGroupedLinear(
+        3, 64, 32, config=config, init_method=_init, bias=False, skip_bias_add=False, is_expert=True
+    ).to(_device())
+
+
+def test_fp8_grouped_weights_are_quantized_once_per_weight_update(moe_fp8):
+    """The experts' FP8 copies are made on the first micro-batch and after a weight update only; a later
+    micro-batch reads them and gets the same output and gradients, bit for bit, as quantizing again."""
+    fc1 = _fp8_grouped_fc1()
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 7], device=_device())
+    grad_out = torch.randn(10, 32, dtype=torch.bfloat16, device=_device())
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        fc1.zero_grad(set_to_none=True)
+        out, _ = fc1(x, counts)
+        out.backward(grad_out)
+        return out.detach(), [p.grad.clone() for p in fc1.parameters()]
+
+    fresh = step()
+    first = fc1._weight_cache.value
+    assert first is not None and not fc1.is_first_microbatch
+    cached = step()
+    assert fc1._weight_cache.value is first  # a later micro-batch reuses the FP8 weights
+    for a, b in zip((fresh[0], *fresh[1]), (cached[0], *cached[1]), strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        fc1.weight2.mul_(2)  # an optimizer step changes the weights in place
+    out, _ = fc1(x, counts)
+    assert fc1._weight_cache.value is not first
+    ref = torch.cat([x[:3].float() @ fc1.weight0.float().t(), x[3:].float() @ fc1.weight2.float().t()])
+    assert compute_snr(ref, out.float()) > 25
+    second = fc1._weight_cache.value
+    fc1.is_first_microbatch = True  # Megatron's schedule at the start of a step
+    fc1(x, counts)
+    assert fc1._weight_cache.value is not second
+
+
+@pytest.mark.parametrize("off", ["flag", "config"])
+def test_fp8_weight_cache_is_off_where_megatron_turns_it_off(moe_fp8, off):
+    overrides = {"disable_parameter_transpose_cache": True} if off == "config" else {}
+    fc1 = _fp8_grouped_fc1(**overrides)
+    linear = _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise", **overrides)).to(_device())
+    if off == "flag":
+        fc1.is_first_microbatch = linear.is_first_microbatch = None
+    fc1(torch.randn(4, 64, dtype=torch.bfloat16, device=_device()), torch.tensor([1, 2, 1]))
+    linear(torch.randn(4, 64, dtype=torch.bfloat16, device=_device()))
+    assert fc1._weight_cache.value is None and linear._weight_cache.value is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("module", ["linear", "grouped"])
+def test_cuda_graph_of_an_fp8_layer_quantizes_the_updated_weights(moe_fp8, module):
+    """A captured graph holds the weight quantization: replayed after an optimizer step it reads the new
+    weights (a cache hit at capture time would have frozen the old FP8 copies into the graph)."""
+    layer = (
+        _fp8_grouped_fc1()
+        if module == "grouped"
+        else _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise"))
+    )
+    layer = layer.to(_device())
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    args = (x, torch.tensor([3, 0, 7], device=_device())) if module == "grouped" else (x,)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # the second eager call hits the cache
+            layer(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = layer(*args)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.mul_(-3)
+    graph.replay()
+    expected, _ = layer(*args)
+    assert torch.equal(out, expected)
