@@ -20,8 +20,6 @@
 #   NORM_ACT=1          also run the RMSNorm / gated-activation benchmark (NORM_ACT_SHAPES, default quick)
 #   NORM_ACT_SWEEP=1    time the RMSNorm-backward / gated-activation launch candidates against a same-size copy
 #   DUAL_BLOCK=1        time the Triton and C++ dual 1 x 128 FP8 emitters (quantize, RMSNorm, SwiGLU) against a copy
-#   WEIGHT_QUANT=1      time the 128 x 128 weight quantization with its transposed copy, one read against two
-#                       passes, next to a copy (expert stacks and dense weights)
 #   GROUPED=1           also run the grouped GEMM benchmark, bf16 and FP8 (GROUPED_SHAPES, default quick;
 #                       GROUPED_FP8, default "tensorwise rowwise blockwise"), and profile one FP8 step
 #                       (GROUPED_PROFILE, G x T x N x K, default DeepSeek-V3 fc1 at EP 8)
@@ -132,10 +130,6 @@ fi
 if [ "${DUAL_BLOCK:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_fp8_dual_block \
     -o "$OUT/fp8_dual_block.csv" 2>&1 | tee "$OUT/bench_fp8_dual_block.log" || status=1
-fi
-if [ "${WEIGHT_QUANT:-0}" = 1 ]; then
-  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_fp8_weight_quant \
-    -o "$OUT/fp8_weight_quant.csv" 2>&1 | tee "$OUT/bench_fp8_weight_quant.log" || status=1
 fi
 if [ "${NORM_ACT_SWEEP:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_norm_act_configs \

@@ -83,8 +83,8 @@ def _quantize_experts(
     """Expert weights [G, N, K] (``trans_b``) or [G, K, N]: ``(q, scale)`` for the forward (reducing over
     K) and, with ``dgrad``, for the input gradient (reducing over N), else None. Each ``q`` has b's shape
     with its reduction dimension contiguous; scales are one per expert ([G, 1, 1]), per row along the
-    reduction, or per B x B tile ([G, X / B, Y / B]), in b's layout. 2-D blocks write both copies from one
-    read of ``b``."""
+    reduction, or per B x B tile ([G, X / B, Y / B]), in b's layout. Tensorwise and 2-D block scales
+    serve both directions, so there the dgrad copy is the forward's transposed."""
     k_axis = 2 if trans_b else 1
     n_axis = 3 - k_axis
     granularity = config.granularity
@@ -172,7 +172,7 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
         else:
             (qb, sb), dgrad_b = b_quantized.forward, b_quantized.dgrad
         out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype, _block(config))
-        # backward reads the weights' dgrad copy only (made here, from the same read as the forward's)
+        # backward reads the weights' dgrad copy only (made here, next to the forward's)
         qb_d, sb_d = dgrad_b if dgrad else (None, None)
         ctx.save_for_backward(a, b, group_offs, qa, sa, qb_d, sb_d)
         ctx.trans_b, ctx.config, ctx.accum_pattern = trans_b, config, accum_pattern

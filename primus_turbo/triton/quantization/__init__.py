@@ -3,7 +3,6 @@
 from primus_turbo.triton.quantization.fp4_quant_kernel import quantize_fp4_rows_triton
 from primus_turbo.triton.quantization.fp8_emit import EMIT_BLOCK, EMIT_ROW, EMIT_TENSOR
 from primus_turbo.triton.quantization.fp8_quant_kernel import (
-    quantize_fp8_2d_blocks_triton,
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
     tensorwise_cast_fp8_triton,
@@ -14,7 +13,6 @@ __all__ = [
     "EMIT_ROW",
     "EMIT_TENSOR",
     "quantize_fp4_rows_triton",
-    "quantize_fp8_2d_blocks_triton",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",
     "tensorwise_cast_fp8_triton",

@@ -21,7 +21,6 @@ from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 
 __all__ = [
     "e8m0_scale",
-    "quantize_fp8_2d_blocks_triton",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",
     "tensorwise_cast_fp8_triton",
@@ -127,65 +126,6 @@ def _quantize_groups_kernel(
         tl.store(s_ptr + s_offs, stored, mask=first)
     else:
         tl.store(s_ptr + rows * stride_sr + pid_c * stride_sc, stored, mask=row_ok)
-
-
-@triton.jit
-def _quantize_2d_blocks_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    R,
-    C,
-    stride_xg,
-    stride_xr,
-    stride_xc,
-    stride_qg,
-    stride_qr,
-    stride_qc,
-    stride_sg,
-    stride_sr,
-    stride_sc,
-    stride_qtg,
-    stride_qtc,
-    stride_qtr,
-    stride_stg,
-    stride_stc,
-    stride_str,
-    FP8_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WITH_TRANS: tl.constexpr,
-    CAST_SATURATES: tl.constexpr,
-):
-    """One program: one BLOCK x BLOCK tile of slice ``g``, read once. Writes the tile quantized with one
-    scale, and with ``WITH_TRANS`` the same bytes transposed (a B x B scale serves both directions)."""
-    pid_c = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    g = tl.program_id(2).to(tl.int64)
-    rows = (pid_r * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    cols = (pid_c * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(
-        x_ptr + g * stride_xg + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0
-    ).to(tl.float32)
-    mag = tl.abs(x)
-    nonfinite = (mag != mag) | (mag == float("inf"))
-    amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.max(tl.where(nonfinite, 0.0, mag), axis=1), axis=0)
-    bad = tl.zeros([BLOCK], dtype=tl.int32) + tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0)
-    multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
-    q = _saturate(x * multiplier[:, None], FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + g * stride_qg + rows[:, None] * stride_qr + cols[None, :] * stride_qc, q, mask=mask)
-    first = tl.arange(0, BLOCK) == 0
-    zero = tl.zeros([BLOCK], dtype=tl.int64)
-    tl.store(s_ptr + g * stride_sg + pid_r * stride_sr + pid_c * stride_sc + zero, stored, mask=first)
-    if WITH_TRANS:
-        tl.store(
-            qt_ptr + g * stride_qtg + cols[:, None] * stride_qtc + rows[None, :] * stride_qtr,
-            tl.trans(q),
-            mask=tl.trans(mask),
-        )
-        tl.store(st_ptr + g * stride_stg + pid_c * stride_stc + pid_r * stride_str + zero, stored, mask=first)
 
 
 @triton.jit
@@ -419,44 +359,6 @@ def quantize_fp8_groups_triton(
         BLOCK_C=block_c,
         CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
         num_warps=8 if block_r * block_c >= 8192 else 4,
-    )
-
-
-def quantize_fp8_2d_blocks_triton(
-    x: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    block: int,
-    q_t: torch.Tensor | None = None,
-    scale_t: torch.Tensor | None = None,
-) -> None:
-    """B x B block quantization of the batch of slices ``x`` (G, R, C) into ``q`` (G, R, C) with ``scale``
-    (G, ceil(R / B), ceil(C / B)); with ``q_t`` (G, C, R) and ``scale_t`` (G, ceil(C / B), ceil(R / B))
-    also the transposed copy, from the same read (a weight's forward and input-gradient operands). Any
-    strides; ``block`` a power of two."""
-    g, rows, cols = x.shape
-    if g == 0 or rows == 0 or cols == 0:
-        return
-    with_trans = q_t is not None
-    qt, st = (q_t, scale_t) if with_trans else (q, scale)
-    _quantize_2d_blocks_kernel[(triton.cdiv(cols, block), triton.cdiv(rows, block), g)](
-        x,
-        q,
-        scale,
-        qt,
-        st,
-        rows,
-        cols,
-        *x.stride(),
-        *q.stride(),
-        *scale.stride(),
-        *qt.stride(),
-        *st.stride(),
-        FP8_MAX=torch.finfo(q.dtype).max,
-        BLOCK=block,
-        WITH_TRANS=with_trans,
-        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
-        num_warps=8 if block >= 128 else 4,
     )
 
 

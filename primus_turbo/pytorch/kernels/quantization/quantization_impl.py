@@ -24,7 +24,6 @@ from primus_turbo.triton.quantization import (
     EMIT_BLOCK,
     EMIT_ROW,
     EMIT_TENSOR,
-    quantize_fp8_2d_blocks_triton,
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
     tensorwise_cast_fp8_triton,
@@ -179,11 +178,6 @@ def _long_rows(x: torch.Tensor, q: torch.Tensor, group_rows: int, group_cols: in
     )
 
 
-def _square_blocks(group_rows: int, group_cols: int, mx: bool) -> bool:
-    """B x B blocks (weights) that the one-read 2-D block kernel takes: B a power of two."""
-    return not mx and 1 < group_rows == group_cols and group_rows & (group_rows - 1) == 0
-
-
 def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path, block_major=False) -> torch.Tensor:
     """Quantize the 2-D view ``x`` into the 2-D view ``q``; returns the (n_r, n_c) scales, stored
     block-major (each block's rows adjacent) when ``block_major``."""
@@ -201,10 +195,6 @@ def _quantize_2d(x, q, fp8_dtype, group_rows, group_cols, mx, triton_path, block
         tensorwise_cast_fp8_triton(x, q, amax, scale)
         return scale
     shape = (-(-rows // group_rows), -(-cols // group_cols))
-    if _square_blocks(group_rows, group_cols, mx):
-        scale = torch.empty(shape, dtype=torch.float32, device=x.device)
-        quantize_fp8_2d_blocks_triton(x[None], q[None], scale[None], group_rows)
-        return scale
     dtype = torch.uint8 if mx else torch.float32
     scale = (
         _block_major_empty(*shape, dtype, x.device)
@@ -296,20 +286,18 @@ def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, granularity: int
 
 def _with_trans_2d_blocks(x: torch.Tensor, out_dtype: torch.dtype, block: int, triton_path: bool):
     """B x B block quantization of a weight (M, K) or a stack of them (G, M, K), and the transposed
-    copy (..., K, M). The scales serve both directions; Triton writes both copies from one read."""
-    if x.dim() == 3 and not triton_path:
-        per_slice = [_with_trans_2d_blocks(w, out_dtype, block, False) for w in x.unbind()]
+    copy (..., K, M); the scales serve both directions. Copies, never views: a custom op's outputs must
+    not alias each other."""
+    if x.dim() == 3 and x.shape[1] % block:  # blocks would straddle two slices of a flat (G * M, K) view
+        per_slice = [_with_trans_2d_blocks(w, out_dtype, block, triton_path) for w in x.unbind()]
         return tuple(torch.stack(parts) for parts in zip(*per_slice, strict=True))
-    if not triton_path or not _square_blocks(block, block, False):
-        q, scale = _quantize(x, out_dtype, _BLOCKWISE, block, 1, True, triton_path)
-        # copies, never views: a custom op's outputs must not alias each other
-        contiguous = torch.contiguous_format
-        q_t = transpose_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
-        return q, scale, q_t, scale.t().clone(memory_format=contiguous)
-    q, scale, q_t, scale_t = _with_trans_2d_blocks_empty(x.shape, out_dtype, block, x.device)
-    batch = (lambda t: t) if x.dim() == 3 else (lambda t: t[None])
-    quantize_fp8_2d_blocks_triton(batch(x), batch(q), batch(scale), block, batch(q_t), batch(scale_t))
-    return q, scale, q_t, scale_t
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = _quantize(flat, out_dtype, _BLOCKWISE, block, 1, True, triton_path)
+    q = q.view(x.shape)
+    scale = scale.view(*x.shape[:-2], -(-x.shape[-2] // block), scale.shape[-1])
+    contiguous = torch.contiguous_format
+    q_t = transpose_triton(q) if triton_path else q.transpose(-2, -1).clone(memory_format=contiguous)
+    return q, scale, q_t, scale.transpose(-2, -1).clone(memory_format=contiguous)
 
 
 def _with_trans_2d_blocks_empty(shape: torch.Size, out_dtype: torch.dtype, block: int, device):
