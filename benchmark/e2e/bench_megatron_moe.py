@@ -24,6 +24,8 @@ VARIANTS = {
     "turbo-bf16": ["--compare"],
     "turbo-fp8-blockwise": ["--fp8", "e4m3", "--fp8-recipe", "blockwise"],
     "turbo-fp8-tensorwise": ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"],
+    "turbo-bf16-mb4": ["--micro-batches", "4"],
+    "turbo-fp8-blockwise-mb4": ["--fp8", "e4m3", "--fp8-recipe", "blockwise", "--micro-batches", "4"],
     "turbo-bf16-compiled": ["--compile"],
     "turbo-bf16-graph": ["--cuda-graph"],
     "turbo-fp8-blockwise-graph": ["--fp8", "e4m3", "--fp8-recipe", "blockwise", "--cuda-graph"],

@@ -93,11 +93,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="capture the Turbo model's forward+backward in one CUDA graph after the warm-up steps and "
         "replay it (one GPU: the one-rank MoE path never waits for the host); the local spec stays eager",
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per step (gradient accumulation); FP8 weights are quantized on the first only",
+    )
     parser.add_argument("--csv", default=None, help="write per-step rows here")
     add_primus_turbo_args(parser)
     args = parser.parse_args(argv)
     if not args.local_only:
         args.enable_primus_turbo = True  # the example's point: implied unless --local-only
+    if args.micro_batches < 1:
+        parser.error("--micro-batches must be at least 1")
+    if args.cuda_graph and args.micro_batches > 1:
+        parser.error("--cuda-graph captures one micro-batch a step: its gradients are rewritten, not summed")
     if args.cuda_graph and (args.nproc != 1 or not torch.cuda.is_available()):
         parser.error("--cuda-graph needs one GPU (--nproc 1): multi-rank dispatch sizes buffers on the host")
     if args.compile_mode in ("reduce-overhead", "max-autotune"):
@@ -244,13 +254,15 @@ class GraphedStep:
 def train(
     model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device, graph: bool = False
 ) -> list[StepLog]:
-    """``args.steps`` Adam steps on the synthetic data of this data-parallel rank; with ``graph`` the
-    steps after ``args.warmup`` replay a CUDA graph of the forward+backward."""
+    """``args.steps`` Adam steps of ``args.micro_batches`` micro-batches each on the synthetic data of this
+    data-parallel rank; with ``graph`` the steps after ``args.warmup`` replay a CUDA graph of the
+    forward+backward."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    # as Megatron's schedule does each step: the aux losses' gradient scale (one micro-batch, no loss scaling)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.ones((), device=device))
+    # as Megatron's schedule does each step: the aux losses' gradient scale (1 / micro-batches, no loss
+    # scaling)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 1 / args.micro_batches, device=device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data_rank = ps.get_data_parallel_rank()
     seq = SIZES[args.size]["seq"]
@@ -260,7 +272,7 @@ def train(
     def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
-        loss.backward()
+        (loss / args.micro_batches).backward()
         # detached: a live autograd graph keeps its parameters' gradient-accumulator nodes, which remember
         # the stream they were made on, and a CUDA-graph capture must not find the default stream's there
         return loss.detach()
@@ -268,13 +280,17 @@ def train(
     graphed: GraphedStep | None = None
     logs = []
     for step in range(args.steps):
-        tokens = synthetic_batch(step, data_rank, args, device)
+        batches = [
+            synthetic_batch(step * args.micro_batches + i, data_rank, args, device)
+            for i in range(args.micro_batches)
+        ]
         if graph and step >= args.warmup and graphed is None:
-            graphed = GraphedStep(forward_backward, tokens, lambda: optimizer.zero_grad(set_to_none=True))
+            graphed = GraphedStep(forward_backward, batches[0], lambda: optimizer.zero_grad(set_to_none=True))
         run = graphed or forward_backward
+        model.set_is_first_microbatch()  # as Megatron's schedule: FP8 weights are quantized again
         _sync(device)
         start = time.perf_counter()
-        loss = run(tokens)
+        loss = sum(run(tokens) for tokens in batches) / args.micro_batches
         _sync(device)
         elapsed = time.perf_counter() - start
         _reduce_grads(model)
@@ -294,9 +310,13 @@ def final_loss(logs: list[StepLog]) -> float:
 
 
 def tokens_per_s(logs: list[StepLog], args: argparse.Namespace) -> float:
-    size = SIZES[args.size]
     timed = [log.fwd_bwd_s for log in logs[args.warmup :]] or [log.fwd_bwd_s for log in logs]
-    return size["seq"] * size["batch"] * (args.nproc // args.tp) / statistics.median(timed)
+    return _tokens_per_step(args) / statistics.median(timed)
+
+
+def _tokens_per_step(args: argparse.Namespace) -> int:
+    size = SIZES[args.size]
+    return size["seq"] * size["batch"] * args.micro_batches * (args.nproc // args.tp)
 
 
 def _describe(model: torch.nn.Module) -> str:
@@ -368,8 +388,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
 def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None:
     names = list(results)
     print("step " + " ".join(f"{n + ' loss':>12s} {n + ' tok/s':>12s}" for n in names))
-    size = SIZES[args.size]
-    tokens = size["seq"] * size["batch"] * (args.nproc // args.tp)
+    tokens = _tokens_per_step(args)
     for i in range(args.steps):
         print(
             f"{i:4d} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -272,6 +273,8 @@ def _train_moe_module():
     [
         (["--cuda-graph", "--nproc", "2"], "--cuda-graph needs one GPU"),
         (["--compile", "--compile-mode", "reduce-overhead"], "use --compile --cuda-graph"),
+        (["--micro-batches", "0"], "at least 1"),
+        (["--cuda-graph", "--micro-batches", "2"], "one micro-batch a step"),
     ],
 )
 def test_example_rejects_unsupported_graph_options(argv, message, capsys):
@@ -288,6 +291,13 @@ def _example_losses(*extra: str, steps: int = 6, env: dict[str, str] | None = No
     rows = [line.split() for line in result.stdout.splitlines() if line[:4].strip().isdigit()]
     assert len(rows) == steps
     return [float(row[1]) for row in rows]
+
+
+def test_example_accumulates_micro_batches():
+    """``--micro-batches 2``: two forward+backward passes per optimizer step (the loss is their mean);
+    training still brings the loss down."""
+    losses = _example_losses("--micro-batches", "2", "--lr", "3e-3", steps=4)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
 
 
 @pytest.mark.gpu
