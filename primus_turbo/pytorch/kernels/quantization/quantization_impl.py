@@ -273,7 +273,7 @@ def to_block_major(scale: torch.Tensor) -> torch.Tensor:
 def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, granularity: int, block: int):
     """Both 1-D block quantizations from one read of ``x`` (the DeepSeek-V3 activation recipe): the C++
     kernel where it runs (``dual_block_cuda``), else Triton (which stores MX scales as raw bytes)."""
-    q, scale, q_t, scale_t = with_trans_empty(*x.shape, out_dtype, granularity, block, False, x.device)
+    q, scale, q_t, scale_t = with_trans_empty(*x.shape, out_dtype, granularity, block, x.device)
     if granularity == _MX:
         raw = (scale.view(torch.uint8), scale_t.view(torch.uint8))
         quantize_fp8_dual_blocks_triton(x, q, raw[0], q_t, raw[1], block, mx_emax(out_dtype))
@@ -373,14 +373,15 @@ def quantize_fp8_with_trans_impl(
 
 
 def with_trans_empty(
-    m: int, k: int, out_dtype: torch.dtype, granularity: int, block_size: int, block_2d: bool, device
+    m: int, k: int, out_dtype: torch.dtype, granularity: int, block_size: int, device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Empty ``(q, scale_inv, q_t, scale_inv_t)`` shaped and laid out as ``quantize_fp8_with_trans``
-    returns them for an (m, k) input; the first two are also ``quantize_fp8``'s along axis 1."""
+    returns them for an (m, k) input without 2-D blocks (those: ``_with_trans_2d_blocks_empty``); the
+    first two are also ``quantize_fp8``'s along axis 1."""
     dtype = _scale_dtype(granularity)
-    row_scale = scale_inv_shape(torch.Size((m, k)), granularity, block_size, 1, block_2d)
-    col_scale = scale_inv_shape(torch.Size((k, m)), granularity, block_size, 1, block_2d)
-    if _one_d_blocks(_groups(torch.Size((m, k)), granularity, block_size, 1, block_2d)):
+    row_scale = scale_inv_shape(torch.Size((m, k)), granularity, block_size, 1, False)
+    col_scale = scale_inv_shape(torch.Size((k, m)), granularity, block_size, 1, False)
+    if _one_d_blocks(_groups(torch.Size((m, k)), granularity, block_size, 1, False)):
         scales = (
             _block_major_empty(*row_scale, dtype, device),
             _block_major_empty(*col_scale, dtype, device),
@@ -398,7 +399,7 @@ def with_trans_empty(
 def _quantize_fp8_with_trans_fake(x, out_dtype, granularity, block_size, block_2d):
     if granularity == _BLOCKWISE and block_2d:
         return _with_trans_2d_blocks_empty(x.shape, out_dtype, block_size, x.device)
-    return with_trans_empty(*x.shape, out_dtype, granularity, block_size, block_2d, x.device)
+    return with_trans_empty(*x.shape, out_dtype, granularity, block_size, x.device)
 
 
 EMIT_MODES = {_TENSORWISE: EMIT_TENSOR, _ROWWISE: EMIT_ROW, _BLOCKWISE: EMIT_BLOCK}
@@ -409,7 +410,7 @@ def fp8_producer_empty(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Empty ``(q, scale_inv, q_t, scale_inv_t)`` of a fused FP8 producer with a (rows, H) output, laid
     out as ``quantize_fp8_with_trans`` returns them; without ``columnwise`` the last two are empty."""
-    q, scale, q_t, scale_t = with_trans_empty(*shape, fp8_dtype, granularity, block_size, False, device)
+    q, scale, q_t, scale_t = with_trans_empty(*shape, fp8_dtype, granularity, block_size, device)
     if not columnwise:
         q_t, scale_t = q_t.new_empty(0), scale_t.new_empty(0)
     return q, scale, q_t, scale_t
