@@ -317,8 +317,8 @@ def test_grouped_mlp_applies_probs(megatron):
     torch.testing.assert_close(double.float(), 2 * out.float(), rtol=2e-2, atol=2e-2)
 
 
-def _grouped_fc1(bias: bool = False) -> TurboColumnParallelGroupedLinear:
-    config = tiny_moe_config(moe_grouped_gemm=True, add_bias_linear=bias)
+def _grouped_fc1(bias: bool = False, **overrides) -> TurboColumnParallelGroupedLinear:
+    config = tiny_moe_config(moe_grouped_gemm=True, add_bias_linear=bias, **overrides)
     return TurboColumnParallelGroupedLinear(
         3, 64, 32, config=config, init_method=_init, bias=bias, skip_bias_add=False, is_expert=True
     ).to(_device())
@@ -383,10 +383,7 @@ def moe_fp8(megatron, monkeypatch):
 
 
 def _fp8_grouped_fc1(**overrides) -> TurboColumnParallelGroupedLinear:
-    config = tiny_moe_config(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise", **overrides)
-    return TurboColumnParallelGroupedLinear(
-        3, 64, 32, config=config, init_method=_init, bias=False, skip_bias_add=False, is_expert=True
-    ).to(_device())
+    return _grouped_fc1(fp8="e4m3", fp8_recipe="tensorwise", **overrides)
 
 
 def test_fp8_grouped_weights_are_quantized_once_per_weight_update(moe_fp8):
