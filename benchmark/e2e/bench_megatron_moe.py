@@ -20,24 +20,21 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "megatron" / "train_moe.py"
+BLOCKWISE = ["--fp8", "e4m3", "--fp8-recipe", "blockwise"]
+HP_WGRAD = ["--no-turbo-fp8-expert-wgrad"]  # the experts' weight gradients in bf16
 VARIANTS = {
     "turbo-bf16": ["--compare"],
-    "turbo-fp8-blockwise": ["--fp8", "e4m3", "--fp8-recipe", "blockwise"],
+    "turbo-fp8-blockwise": BLOCKWISE,
     "turbo-fp8-tensorwise": ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"],
     "turbo-bf16-mb4": ["--micro-batches", "4"],
-    "turbo-fp8-blockwise-mb4": ["--fp8", "e4m3", "--fp8-recipe", "blockwise", "--micro-batches", "4"],
+    "turbo-fp8-blockwise-mb4": [*BLOCKWISE, "--micro-batches", "4"],
     "turbo-bf16-compiled": ["--compile"],
     "turbo-bf16-graph": ["--cuda-graph"],
-    "turbo-fp8-blockwise-graph": ["--fp8", "e4m3", "--fp8-recipe", "blockwise", "--cuda-graph"],
+    "turbo-fp8-blockwise-graph": [*BLOCKWISE, "--cuda-graph"],
+    "turbo-fp8-blockwise-hpwgrad-graph": [*BLOCKWISE, *HP_WGRAD, "--cuda-graph"],
     "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],
-    "turbo-fp8-blockwise-compiled-graph": [
-        "--fp8",
-        "e4m3",
-        "--fp8-recipe",
-        "blockwise",
-        "--compile",
-        "--cuda-graph",
-    ],
+    "turbo-fp8-blockwise-compiled-graph": [*BLOCKWISE, "--compile", "--cuda-graph"],
+    "turbo-fp8-blockwise-hpwgrad-compiled-graph": [*BLOCKWISE, *HP_WGRAD, "--compile", "--cuda-graph"],
 }
 
 

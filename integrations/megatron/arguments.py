@@ -62,4 +62,11 @@ def add_primus_turbo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         default=PrimusTurboConfig.turbo_num_worst_tokens,
         help="size expert-parallel receive buffers for this many tokens: dispatch without a host sync",
     )
+    group.add_argument(
+        "--turbo-fp8-expert-wgrad",
+        action=argparse.BooleanOptionalAction,
+        default=PrimusTurboConfig.turbo_fp8_expert_wgrad,
+        help="under --fp8, the experts' weight gradients in FP8 (default); --no-turbo-fp8-expert-wgrad "
+        "computes them in the parameters' dtype, faster where each expert sees few tokens",
+    )
     return parser

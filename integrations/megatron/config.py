@@ -10,7 +10,6 @@ A feature flag set without the switch is an error too. FP8 follows Megatron's ow
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -66,7 +65,9 @@ class PrimusTurboConfig:
 
     Backend fields take the same strings as the ``PRIMUS_TURBO_*_BACKEND`` variables (``TRITON``,
     ``autotune``, ``fp8:TRITON,other:HIPBLASLT``). ``turbo_num_worst_tokens > 0`` sizes the expert-parallel
-    receive buffers for the worst case, so dispatch never waits for the host.
+    receive buffers for the worst case, so dispatch never waits for the host. Under ``fp8``,
+    ``turbo_fp8_expert_wgrad=False`` computes the experts' weight gradients in the parameters' dtype
+    (forward and dgrad stay FP8): faster where each expert sees few tokens.
     """
 
     enable_primus_turbo: bool = False
@@ -84,6 +85,7 @@ class PrimusTurboConfig:
     turbo_dispatch_backend: str | None = None
     use_turbo_autotune: bool = False
     turbo_num_worst_tokens: int = 0
+    turbo_fp8_expert_wgrad: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_primus_turbo, bool):
@@ -101,6 +103,8 @@ class PrimusTurboConfig:
             raise ValueError(
                 f"turbo_num_worst_tokens must be an int >= 0, got {self.turbo_num_worst_tokens!r}"
             )
+        if not isinstance(self.turbo_fp8_expert_wgrad, bool):
+            raise TypeError(f"turbo_fp8_expert_wgrad must be a bool, got {self.turbo_fp8_expert_wgrad!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PrimusTurboConfig:
@@ -145,10 +149,12 @@ class ResolvedTurbo:
     async_tp: bool = False
     fp8: Float8QuantConfig | None = None
     num_worst_tokens: int = 0
+    fp8_expert_wgrad: bool = True
 
     def describe(self) -> str:
-        on = [f.name for f in dataclasses.fields(self) if f.type == "bool" and getattr(self, f.name)]
+        on = [name for name in (f.removeprefix("use_turbo_") for f in FEATURES) if getattr(self, name)]
         fp8 = f", fp8 {self.fp8.granularity.name.lower()}/{self.fp8.format.name}" if self.fp8 else ""
+        fp8 += ", experts' wgrad in high precision" if self.fp8 and not self.fp8_expert_wgrad else ""
         return f"Primus-Turbo fills: {', '.join(on) or 'nothing'}{fp8}"
 
 
@@ -259,6 +265,11 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         raise ValueError("Turbo grouped GEMM has no mxfp8 path; use --fp8-recipe tensorwise or blockwise")
     if fp8 is not None and _get(config, "first_last_layers_bf16", False):
         raise ValueError("first_last_layers_bf16 is not supported with Turbo FP8 linears")
+    if not turbo.turbo_fp8_expert_wgrad and (fp8 is None or not grouped):
+        raise ValueError(
+            "turbo_fp8_expert_wgrad=False (--no-turbo-fp8-expert-wgrad) applies to Turbo grouped-GEMM "
+            "experts under --fp8; this model has none"
+        )
     return ResolvedTurbo(
         attention=attention,
         gemm=gemm,
@@ -270,4 +281,5 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         async_tp=async_tp,
         fp8=fp8,
         num_worst_tokens=turbo.turbo_num_worst_tokens,
+        fp8_expert_wgrad=turbo.turbo_fp8_expert_wgrad,
     )

@@ -85,7 +85,11 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
     (TE's names), ``forward(x, m_splits)`` over tokens sorted by expert, ``m_splits`` a device tensor (no
     host sync) or a list. The experts' tensor-parallel split (column: output features, row: input
     features) is sized here; the token dispatcher moves the data. Under FP8 the quantized weights are
-    reused across micro-batches (``is_first_microbatch``) until they change."""
+    reused across micro-batches (``is_first_microbatch``) until they change. Layers built while
+    ``fp8_wgrad`` is False (``--no-turbo-fp8-expert-wgrad``) compute their weight gradients in the
+    parameters' dtype."""
+
+    fp8_wgrad: bool = True
 
     def __init__(
         self,
@@ -109,6 +113,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         self.config, self.num_gemms, self.parallel_mode = config, num_gemms, parallel_mode
         self.is_expert, self.tp_comm_buffer_name = is_expert, tp_comm_buffer_name
         self.quant_config = fp8_quant_config(config)
+        self.fp8_wgrad = type(self).fp8_wgrad
         self.is_first_microbatch = True
         self._weight_cache = FP8WeightCache()
         group = _expert_tp_group(pg_collection) if parallel_mode in ("column", "row") else None
@@ -170,7 +175,8 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
         bias = self._stacked("bias") if self.use_bias else None
         weight = self._stacked("weight")
-        out = grouped_linear(x, weight, bias, group_lens, self.quant_config, self._fp8_weight(weight))
+        fp8_weight = self._fp8_weight(weight)
+        out = grouped_linear(x, weight, bias, group_lens, self.quant_config, fp8_weight, self.fp8_wgrad)
         if not torch.compiler.is_compiling():  # a flag written in the graph would recompile it next step
             self.is_first_microbatch = False if self.is_first_microbatch is not None else None
         return out, None
@@ -224,6 +230,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
 
     def extra_repr(self) -> str:
         fp8 = f", fp8={self.quant_config.granularity.name.lower()}" if self.quant_config else ""
+        fp8 += ", fp8_wgrad=False" if self.quant_config and not self.fp8_wgrad else ""
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.use_bias}, parallel_mode={self.parallel_mode}{fp8}"

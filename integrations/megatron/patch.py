@@ -15,6 +15,7 @@ from megatron.core.extensions.transformer_engine import HAVE_TE
 
 from primus_turbo.integrations.megatron.compat import check_supported_version
 from primus_turbo.integrations.megatron.config import PrimusTurboConfig, ResolvedTurbo, resolve
+from primus_turbo.integrations.megatron.experts import TurboGroupedLinear
 from primus_turbo.integrations.megatron.linear import TurboLinear
 from primus_turbo.integrations.megatron.router import (
     TurboAuxLossScaler,
@@ -71,6 +72,7 @@ class TurboPatch:
             GlobalBackendManager.set_auto_tune(None)
         TurboFlexTokenDispatcher.num_worst_tokens = 0
         TurboLinear.async_tp = False
+        TurboGroupedLinear.fp8_wgrad = True
         set_active_features(None)
         if _applied and _applied[0] is self:
             _applied.clear()
@@ -147,6 +149,7 @@ def apply_primus_turbo_to_megatron(
     patch._untrack_loss_scale = track_aux_loss_scale()
     TurboFlexTokenDispatcher.num_worst_tokens = features.num_worst_tokens
     TurboLinear.async_tp = features.async_tp
+    TurboGroupedLinear.fp8_wgrad = features.fp8_expert_wgrad
     set_active_features(features)
     _set_backends(turbo, patch)
     _applied[:] = [patch]

@@ -21,14 +21,18 @@ def grouped_linear(
     group_lens: torch.Tensor,
     config: Float8QuantConfig | None = None,
     weight_fp8: QuantizedExperts | None = None,
+    fp8_wgrad: bool = True,
 ) -> torch.Tensor:
     """``x[rows of g] @ weight[g].T + bias[g]`` for ``weight`` [G, out, in] and ``bias`` [G, out] or None,
     over tokens sorted by group (int64 ``group_lens`` on x's device); FP8 GEMMs with ``config``, reading
-    ``weight_fp8`` (``quantize_fp8_experts(weight, config, trans_b=True)``, made beforehand) when given."""
+    ``weight_fp8`` (``quantize_fp8_experts(weight, config, trans_b=True)``, made beforehand) when given,
+    the weight gradient in FP8 too unless ``fp8_wgrad=False`` (see ``grouped_gemm_fp8``)."""
     if config is None:
         out = grouped_gemm(x, weight, group_lens, trans_b=True)
     else:
-        out = grouped_gemm_fp8(x, weight, group_lens, trans_b=True, config=config, b_quantized=weight_fp8)
+        out = grouped_gemm_fp8(
+            x, weight, group_lens, trans_b=True, config=config, b_quantized=weight_fp8, fp8_wgrad=fp8_wgrad
+        )
     if bias is None:
         return out
     group_of_row = torch.repeat_interleave(
@@ -42,7 +46,8 @@ class GroupedLinear(nn.Module):
 
     ``forward(x, group_lens)`` takes ``x`` [T, in] with the tokens of group ``g`` contiguous and in
     group order, and ``group_lens`` an int64 [G] tensor on the same device (no host sync). With a
-    ``config`` the GEMMs run in FP8 (``grouped_gemm_fp8``); parameters stay high precision.
+    ``config`` the GEMMs run in FP8 (``grouped_gemm_fp8``; the weight gradient in the parameters' dtype
+    with ``fp8_wgrad=False``); parameters stay high precision.
     """
 
     def __init__(
@@ -54,11 +59,12 @@ class GroupedLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         config: Float8QuantConfig | None = None,
+        fp8_wgrad: bool = True,
     ) -> None:
         super().__init__()
         if config is not None and not isinstance(config, Float8QuantConfig):
             raise TypeError(f"config must be a Float8QuantConfig or None, got {config!r}")
-        self.config = config
+        self.config, self.fp8_wgrad = config, fp8_wgrad
         if min(num_groups, in_features, out_features) <= 0:
             raise ValueError(
                 f"num_groups, in_features and out_features must be positive, got "
@@ -79,11 +85,12 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, group_lens: torch.Tensor) -> torch.Tensor:
-        return grouped_linear(x, self.weight, self.bias, group_lens, self.config)
+        return grouped_linear(x, self.weight, self.bias, group_lens, self.config, fp8_wgrad=self.fp8_wgrad)
 
     def extra_repr(self) -> str:
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.bias is not None}"
             + (f", fp8={self.config.granularity.name}/{self.config.format.name}" if self.config else "")
+            + (", fp8_wgrad=False" if self.config and not self.fp8_wgrad else "")
         )

@@ -25,7 +25,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     grouped_gemm_variable_k_impl,
 )
 
-__all__ = ["check_grouped_args", "grouped_gemm"]
+__all__ = ["check_grouped_args", "grouped_gemm", "grouped_wgrad"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -45,14 +45,27 @@ class _GroupedGemmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_a = call_op(grouped_gemm_impl, grad_out, b, group_offs, not ctx.trans_b)
         if ctx.needs_input_grad[1]:
-            # wgrad per group: [K, N] = a_g^T dy_g, or [N, K] = dy_g^T a_g for the transposed layout
-            lhs, rhs = (grad_out, a) if ctx.trans_b else (a, grad_out)
-            if ctx.accum_pattern == "megatron":
-                call_op(grouped_gemm_variable_k_accum_impl, lhs, rhs, group_offs, b.main_grad)
-                grad_b = finish_fused_wgrad(b)
-            else:
-                grad_b = call_op(grouped_gemm_variable_k_impl, lhs, rhs, group_offs)
+            grad_b = grouped_wgrad(a, grad_out, b, group_offs, ctx.trans_b, ctx.accum_pattern)
         return grad_a, grad_b, None, None, None
+
+
+def grouped_wgrad(
+    a: torch.Tensor,
+    grad_out: torch.Tensor,
+    b: torch.Tensor,
+    group_offs: torch.Tensor,
+    trans_b: bool,
+    accum_pattern: str | None,
+) -> torch.Tensor | None:
+    """The weight gradient of ``grouped_gemm(a, b, ...)`` in a's dtype (``grad_out`` cast to it): per group
+    [K, N] = a_g^T dy_g, or [N, K] = dy_g^T a_g for the transposed layout; added into ``b.main_grad``
+    under the ``"megatron"`` pattern."""
+    grad_out = grad_out.to(a.dtype)
+    lhs, rhs = (grad_out, a) if trans_b else (a, grad_out)
+    if accum_pattern == "megatron":
+        call_op(grouped_gemm_variable_k_accum_impl, lhs, rhs, group_offs, b.main_grad)
+        return finish_fused_wgrad(b)
+    return call_op(grouped_gemm_variable_k_impl, lhs, rhs, group_offs).to(b.dtype)
 
 
 def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:

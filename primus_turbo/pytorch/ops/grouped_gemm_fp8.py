@@ -1,5 +1,6 @@
 """FP8 grouped GEMM with autograd:
-``grouped_gemm_fp8(a, b, group_lens, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern)``.
+``grouped_gemm_fp8(a, b, group_lens, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern,
+b_quantized, fp8_wgrad)``.
 
 Scaling per granularity (``Format.HYBRID``: E4M3 forward operands, E5M2 gradients):
 
@@ -43,7 +44,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     quantize_fp8_group_columns_impl,
     transpose_last_two_impl,
 )
-from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args
+from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args, grouped_wgrad
 from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_trans
 
 __all__ = ["QuantizedExperts", "grouped_gemm_fp8", "quantize_fp8_experts"]
@@ -163,7 +164,7 @@ def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype, bl
 
 class _GroupedGemmFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern, b_quantized):
+    def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern, b_quantized, fp8_wgrad):
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
         qa, sa = _quantize_tokens(a, fwd_dtype, config)
         dgrad = ctx.needs_input_grad[0]
@@ -175,7 +176,7 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
         # backward reads the weights' dgrad copy only (made here, next to the forward's)
         qb_d, sb_d = dgrad_b if dgrad else (None, None)
         ctx.save_for_backward(a, b, group_offs, qa, sa, qb_d, sb_d)
-        ctx.trans_b, ctx.config, ctx.accum_pattern = trans_b, config, accum_pattern
+        ctx.trans_b, ctx.config, ctx.accum_pattern, ctx.fp8_wgrad = trans_b, config, accum_pattern, fp8_wgrad
         return out
 
     @staticmethod
@@ -188,14 +189,17 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_a = grad_b = None
         qg = sg = qg_t = None
-        if gran is _G.TENSORWISE and ctx.needs_input_grad[1]:
+        fp8_wgrad = ctx.needs_input_grad[1] and ctx.fp8_wgrad
+        if gran is _G.TENSORWISE and fp8_wgrad:
             # one amax for both GEMMs; the transposed copy is the wgrad's token-major operand
             qg, sg, qg_t, _ = quantize_fp8_with_trans(grad_out, grad_dtype, gran)
         elif ctx.needs_input_grad[0]:
             qg, sg = _quantize_tokens(grad_out, grad_dtype, config)
         if ctx.needs_input_grad[0]:  # dgrad reduces over N: the weights' copy along N
             grad_a = call_op(grouped_gemm_fp8_impl, qg, sg, qb, sb, group_offs, not trans_b, a.dtype, block)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not fp8_wgrad:  # in a's dtype from the unquantized operands
+            grad_b = grouped_wgrad(a, grad_out, b, group_offs, trans_b, ctx.accum_pattern)
+        elif fp8_wgrad:
             # one block layout (group_blocks' running total and first rows) for both quantizers and the GEMM
             ends, base = group_block_layout(group_offs, block) if block else (None, None)
             qg_t, sg_t, qa_t, sa_t = _wgrad_operands(ctx, grad_out, qg_t, sg, grad_dtype, fwd_dtype, ends)
@@ -206,7 +210,7 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
                 grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, b.dtype, block, base)
-        return grad_a, grad_b, None, None, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None, None, None
 
 
 def _check_config(config: Float8QuantConfig | None) -> Float8QuantConfig:
@@ -249,21 +253,27 @@ def grouped_gemm_fp8(
     config: Float8QuantConfig | None = None,
     fuse_bgrad_accum_pattern: str | None = None,
     b_quantized: QuantizedExperts | None = None,
+    fp8_wgrad: bool = True,
 ) -> torch.Tensor:
     """``grouped_gemm`` with FP8 operands (TENSORWISE, ROWWISE or BLOCKWISE ``config``, default
     tensorwise E4M3), differentiable in ``a`` and ``b``; ``out_dtype`` defaults to ``a``'s dtype.
     BLOCKWISE needs K and N to be multiples of the block size. ``b_quantized`` (``quantize_fp8_experts``
-    of ``b`` with the same ``trans_b`` and ``config``) is read instead of quantizing ``b`` again."""
+    of ``b`` with the same ``trans_b`` and ``config``) is read instead of quantizing ``b`` again.
+    ``fp8_wgrad=False`` computes the weight gradient in a's dtype from the unquantized ``a`` and output
+    gradient (the forward and dgrad stay FP8): no wgrad quantization, and the faster choice where
+    each expert sees few tokens (the block-scaled wgrad then runs slower than the bf16 one)."""
     config = _check_config(config)
     check_grouped_args(a, b, group_lens, trans_b)
     _check_block_multiples(a.shape[1], b.shape[1] if trans_b else b.shape[2], config)
     if b_quantized is not None:
         _check_b_quantized(b_quantized, b, trans_b, config)
+    if not isinstance(fp8_wgrad, bool):
+        raise TypeError(f"fp8_wgrad must be a bool, got {fp8_wgrad!r}")
     check_fuse_bgrad_accum_pattern(fuse_bgrad_accum_pattern, b)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
     group_offs = compute_group_offs(group_lens) if group_offs is None else group_offs
     a = a if a.stride(-1) == 1 else a.contiguous()
     return _GroupedGemmFp8Function.apply(
-        a, b, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern, b_quantized
+        a, b, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern, b_quantized, fp8_wgrad
     )

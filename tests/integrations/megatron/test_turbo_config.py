@@ -119,6 +119,20 @@ def test_contradictions_raise(overrides, message):
         resolve(PrimusTurboConfig(enable_primus_turbo=True), _megatron(**overrides))
 
 
+def test_high_precision_expert_wgrad_needs_fp8_experts():
+    """``--no-turbo-fp8-expert-wgrad`` reaches the resolved features; without FP8 or Turbo experts it
+    would change nothing, so it raises."""
+    args = _parse("--enable-primus-turbo", "--no-turbo-fp8-expert-wgrad")
+    turbo = PrimusTurboConfig.from_args(args)
+    assert PrimusTurboConfig.from_args(_parse("--enable-primus-turbo")).turbo_fp8_expert_wgrad
+    resolved = resolve(turbo, _megatron(fp8="e4m3", fp8_recipe="blockwise"))
+    assert not resolved.fp8_expert_wgrad and "wgrad in high precision" in resolved.describe()
+    with pytest.raises(ValueError, match="turbo_fp8_expert_wgrad=False"):
+        resolve(turbo, _megatron())
+    with pytest.raises(ValueError, match="turbo_fp8_expert_wgrad=False"):
+        resolve(turbo, _megatron(fp8="e4m3", fp8_recipe="blockwise", moe_grouped_gemm=False))
+
+
 def test_a_feature_without_the_switch_raises():
     with pytest.raises(ValueError, match="needs enable_primus_turbo"):
         PrimusTurboConfig(use_turbo_gemm=True)
@@ -133,6 +147,8 @@ def test_bad_values_raise():
         PrimusTurboConfig(enable_primus_turbo=True, turbo_dispatch_backend="autotune")
     with pytest.raises(ValueError, match="turbo_num_worst_tokens"):
         PrimusTurboConfig(enable_primus_turbo=True, turbo_num_worst_tokens=-1)
+    with pytest.raises(TypeError, match="turbo_fp8_expert_wgrad"):
+        PrimusTurboConfig(enable_primus_turbo=True, turbo_fp8_expert_wgrad="no")
 
 
 def test_from_dict_rejects_unknown_keys():

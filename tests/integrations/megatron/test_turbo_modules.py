@@ -7,8 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from primus_turbo.integrations.megatron import PrimusTurboConfig, apply_primus_turbo_to_megatron
 from primus_turbo.integrations.megatron.attention import TurboDotProductAttention
-from primus_turbo.integrations.megatron.experts import TurboColumnParallelGroupedLinear, TurboGroupedMLP
+from primus_turbo.integrations.megatron.experts import (
+    TurboColumnParallelGroupedLinear,
+    TurboGroupedLinear,
+    TurboGroupedMLP,
+)
 from primus_turbo.integrations.megatron.linear import (
     TurboColumnParallelLinear,
     TurboLayerNormColumnParallelLinear,
@@ -417,6 +422,46 @@ def test_fp8_grouped_weights_are_quantized_once_per_weight_update(moe_fp8):
     fc1.is_first_microbatch = True  # Megatron's schedule at the start of a step
     fc1(x, counts)
     assert fc1._weight_cache.value is not second
+
+
+def test_fp8_grouped_linear_can_take_its_wgrad_in_high_precision(moe_fp8, monkeypatch):
+    """Built while ``fp8_wgrad`` is off (``--no-turbo-fp8-expert-wgrad``), the experts' weight gradients
+    are the bf16 layer's bit for bit; the output and input gradient stay the FP8 layer's."""
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_wgrad", False)
+    high = _fp8_grouped_fc1()
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_wgrad", True)
+    fp8, bf16 = _fp8_grouped_fc1(), _grouped_fc1()
+    assert "fp8_wgrad=False" in repr(high) and "fp8_wgrad" not in repr(fp8)
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 7], device=_device())
+    grad_out = torch.randn(10, 32, dtype=torch.bfloat16, device=_device())
+
+    def run(layer: TurboGroupedLinear) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        layer.load_state_dict(high.state_dict())
+        x_ = x.clone().requires_grad_()
+        out, _ = layer(x_, counts)
+        out.backward(grad_out)
+        return out, x_.grad, [p.grad for p in layer.parameters()]
+
+    high_out, high_dx, high_dw = run(high)
+    fp8_out, fp8_dx, fp8_dw = run(fp8)
+    _, _, bf16_dw = run(bf16)
+    assert torch.equal(high_out, fp8_out) and torch.equal(high_dx, fp8_dx)
+    assert all(
+        torch.equal(high_grad, bf16_grad) for high_grad, bf16_grad in zip(high_dw, bf16_dw, strict=True)
+    )
+    assert not torch.equal(high_dw[0], fp8_dw[0])  # the FP8 wgrad differs where an expert has tokens
+
+
+def test_patch_sets_the_experts_wgrad_precision(moe_fp8):
+    config = tiny_moe_config(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise")
+    turbo = PrimusTurboConfig(enable_primus_turbo=True, turbo_fp8_expert_wgrad=False)
+    patch = apply_primus_turbo_to_megatron(turbo, config)
+    try:
+        assert TurboGroupedLinear.fp8_wgrad is False and not _fp8_grouped_fc1().fp8_wgrad
+    finally:
+        patch.undo()
+    assert TurboGroupedLinear.fp8_wgrad is True
 
 
 @pytest.mark.parametrize("off", ["flag", "config"])

@@ -10,7 +10,7 @@ import torch
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_fp8_impl as impl
-from primus_turbo.pytorch.ops import grouped_gemm_fp8, quantize_fp8_experts
+from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8, quantize_fp8_experts
 from tests.pytorch.ops.test_grouped_gemm import _group_lens, _operands, _reference
 from tests.pytorch.test_utils import DEVICES, compute_snr
 
@@ -213,6 +213,35 @@ def test_prequantized_experts_must_match_the_call():
         grouped_gemm_fp8(a, b, lens, trans_b=True, config=config, b_quantized=made.forward)
 
 
+@pytest.mark.parametrize("trans_b", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("granularity", [G.TENSORWISE, G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.name.lower())
+def test_high_precision_wgrad_is_the_bf16_wgrad(granularity, trans_b):
+    """``fp8_wgrad=False``: the output and input gradient are the FP8 ones bit for bit, the weight gradient
+    is ``grouped_gemm``'s (unquantized operands) bit for bit, plain and accumulated into ``main_grad``."""
+    lens = _group_lens("skewed", 4, 16)
+    a, b, grad = _operands(lens, 64, 64, trans_b, torch.bfloat16)
+    config = Float8QuantConfig(granularity=granularity, block_size=32 if granularity is G.BLOCKWISE else None)
+
+    def run(fp8_wgrad, accum=None):
+        a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+        if accum:
+            b_.main_grad = torch.ones(b.shape, device=DEVICE)
+        kwargs = dict(trans_b=trans_b, config=config, fuse_bgrad_accum_pattern=accum)
+        out = grouped_gemm_fp8(a_, b_, lens, fp8_wgrad=fp8_wgrad, **kwargs)
+        out.backward(grad)
+        return out, a_.grad, b_.main_grad if accum else b_.grad
+
+    fp8, high = run(True), run(False)
+    assert torch.equal(fp8[0], high[0]) and torch.equal(fp8[1], high[1])
+    a_, b_ = a.detach(), b.detach().requires_grad_()
+    grouped_gemm(a_, b_, lens, trans_b=trans_b).backward(grad)
+    assert torch.equal(high[2], b_.grad)
+    assert compute_snr(high[2].float(), fp8[2].float()) >= 20
+    b_.main_grad = torch.ones(b.shape, device=DEVICE)
+    grouped_gemm(a_, b_, lens, trans_b=trans_b, fuse_bgrad_accum_pattern="megatron").backward(grad)
+    assert torch.equal(run(False, "megatron")[2], b_.main_grad)
+
+
 def test_megatron_fused_wgrad_accumulation():
     lens = _group_lens("skewed", 4, 16)
     a, b, grad = _operands(lens, 64, 48, True, torch.bfloat16)
@@ -246,11 +275,12 @@ def test_megatron_fused_accumulation_compiles_like_eager():
         assert torch.equal(compiled, eager)
 
 
-def _assert_compiled_step_matches_eager(a, b, lens, config):
+def _assert_compiled_step_matches_eager(a, b, lens, config, fp8_wgrad=True):
     """A ``fullgraph=True`` compiled forward + backward gives the eager gradients bit for bit."""
 
     def step(a, b):
-        return grouped_gemm_fp8(a, b, lens, trans_b=True, config=config).float().square().sum()
+        out = grouped_gemm_fp8(a, b, lens, trans_b=True, config=config, fp8_wgrad=fp8_wgrad)
+        return out.float().square().sum()
 
     leaves = [a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()]
     torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves).backward()
@@ -309,6 +339,7 @@ def test_blockwise_opcheck_and_compile():
     torch.library.opcheck(impl.grouped_gemm_fp8_variable_k_accum_impl, accum, test_utils=utils)
     config = Float8QuantConfig(format=Format.HYBRID, granularity=G.BLOCKWISE, block_size=BLOCK)
     _assert_compiled_step_matches_eager(a, b, lens, config)
+    _assert_compiled_step_matches_eager(a, b, lens, config, fp8_wgrad=False)
 
 
 def test_autotune_times_balanced_groups_and_keys_by_shape_class():
@@ -345,6 +376,8 @@ def test_bad_input_raises_clear_error():
         grouped_gemm_fp8(a, b, lens, config=mx)
     with pytest.raises(TypeError, match="Float8QuantConfig"):
         grouped_gemm_fp8(a, b, lens, config="fp8")
+    with pytest.raises(TypeError, match="fp8_wgrad must be a bool"):
+        grouped_gemm_fp8(a, b, lens, fp8_wgrad="no")
     with pytest.raises(ValueError, match="groups but b has"):
         grouped_gemm_fp8(a, b, lens[:-1])
     with pytest.raises(ValueError, match="2-D or 3-D"):
