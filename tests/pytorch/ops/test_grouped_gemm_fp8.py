@@ -100,6 +100,15 @@ def test_blockwise_forward_dgrad_wgrad_snr(backend, kind, trans_b, fmt):
     _check_against_reference(lens, 2 * BLOCK, 3 * BLOCK, trans_b, config)
 
 
+@pytest.mark.parametrize("block", [32, 64])
+def test_blockwise_with_blocks_the_kernels_do_not_take(block):
+    """Block sizes other than the Triton kernels' 128 run on the reference path, forward and wgrad alike:
+    the right gradients, not the kernel reading one scale row per 128 tokens."""
+    lens = _group_lens("skewed", 4, 3 * block + 5)
+    config = Float8QuantConfig(granularity=G.BLOCKWISE, block_size=block)
+    _check_against_reference(lens, 4 * block, 2 * block, True, config)
+
+
 def test_group_block_quantization_cuts_aligned_blocks_at_group_boundaries():
     block = 4
     lens = torch.tensor([6, 0, 3, 9], dtype=torch.int64, device=DEVICE)

@@ -290,10 +290,16 @@ def grouped_gemm_fp8_variable_k_impl(
 ) -> torch.Tensor:
     """fp32-accumulated [G, P, Q] = per group ``(lhs * s)^T @ (rhs * s)`` over the group's rows. Under
     block scaling ``block_base`` (``group_block_layout``'s second tensor) saves recomputing it."""
-    if lhs.device.type == "cuda":
+    if _variable_k_on_triton(lhs, block_size):
         operands = (lhs, lhs_scale, rhs, rhs_scale, group_offs)
         return _variable_k_triton(*operands, block_size, block_base, out_dtype)
     return _variable_k_reference(lhs, lhs_scale, rhs, rhs_scale, group_offs, block_size).to(out_dtype)
+
+
+def _variable_k_on_triton(lhs: torch.Tensor, block_size: int) -> bool:
+    """The Triton variable-K kernels run on GPUs with the token blocks they were built for (one scale row
+    per ``grouped_fp8_scale_block()`` tokens); other block sizes take the reference path."""
+    return lhs.device.type == "cuda" and block_size in (0, grouped_fp8_scale_block())
 
 
 def _variable_k_triton(
@@ -345,7 +351,7 @@ def grouped_gemm_fp8_variable_k_accum_impl(
 ) -> None:
     """``out[g] +=`` the variable-K product (fp32 ``main_grad``, the fused wgrad accumulation), inside the
     GEMM's epilogue on GPUs: no [G, P, Q] temporary and no separate add."""
-    if lhs.device.type == "cuda" and out.stride(-1) == 1:
+    if _variable_k_on_triton(lhs, block_size) and out.stride(-1) == 1:
         operands = (lhs, lhs_scale, rhs, rhs_scale, group_offs)
         _variable_k_triton(*operands, block_size, block_base, out.dtype, out)
         return
