@@ -173,8 +173,11 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
         else:
             (qb, sb), dgrad_b = b_quantized.forward, b_quantized.dgrad
         out = call_op(grouped_gemm_fp8_impl, qa, sa, qb, sb, group_offs, trans_b, out_dtype, _block(config))
-        # backward reads the weights' dgrad copy only (made here, next to the forward's)
+        # backward reads the weights' dgrad copy only (made here, next to the forward's), and the FP8
+        # tokens only for a tensorwise FP8 wgrad (the other recipes quantize a along the tokens instead)
         qb_d, sb_d = dgrad_b if dgrad else (None, None)
+        tensorwise_wgrad = fp8_wgrad and config.granularity is _G.TENSORWISE and ctx.needs_input_grad[1]
+        qa, sa = (qa, sa) if tensorwise_wgrad else (None, None)
         ctx.save_for_backward(a, b, group_offs, qa, sa, qb_d, sb_d)
         ctx.trans_b, ctx.config, ctx.accum_pattern, ctx.fp8_wgrad = trans_b, config, accum_pattern, fp8_wgrad
         return out
