@@ -177,8 +177,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         weight = self._stacked("weight")
         fp8_weight = self._fp8_weight(weight)
         out = grouped_linear(x, weight, bias, group_lens, self.quant_config, fp8_weight, self.fp8_wgrad)
-        if not torch.compiler.is_compiling():  # a flag written in the graph would recompile it next step
-            self.is_first_microbatch = False if self.is_first_microbatch is not None else None
+        FP8WeightCache.microbatch_done(self)
         return out, None
 
     def _fp8_weight(self, weight: torch.Tensor) -> QuantizedExperts | None:

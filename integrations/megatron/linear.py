@@ -92,6 +92,13 @@ class FP8WeightCache:
             self.key, self.value = key, make()
         return self.value
 
+    @staticmethod
+    def microbatch_done(module: nn.Module) -> None:
+        """After a forward: later micro-batches are no longer the first (None, the cache off, stays None).
+        Not inside a torch.compile graph, where a written flag would recompile the graph next step."""
+        if not torch.compiler.is_compiling():
+            module.is_first_microbatch = False if module.is_first_microbatch is not None else None
+
 
 def param_device(config: Any) -> torch.device | int | None:
     """Where Megatron creates parameters: the host with ``use_cpu_initialization``, else the current GPU."""
@@ -259,8 +266,7 @@ class TurboLinear(_ExtraState, nn.Module):
                 config=self.quant_config,
                 fuse_bgrad_accum_pattern=accum,
             )
-        if not torch.compiler.is_compiling():  # a flag written in the graph would recompile it next step
-            self.is_first_microbatch = False if self.is_first_microbatch is not None else None
+        FP8WeightCache.microbatch_done(self)
         return out
 
     def _gather_input(self, x: torch.Tensor) -> torch.Tensor:
