@@ -6,6 +6,8 @@
 #   SKIP_TESTS=1        benchmark only
 #   SKIP_BENCH=1        tests only
 #   SKIP_OVERHEAD=1     skip the host-time-per-call benchmark
+#   HOST=1              host microseconds per call of every public op and Megatron Turbo module against its
+#                       PyTorch peer (bench_host_overhead.py; HOST_ONLY, op-name filter)
 #   TEST_PATHS="..."    test paths (default tests), to split the suite over several device calls
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
@@ -43,7 +45,8 @@
 #                       Llama-3-70B shapes across every visible GPU against the sequential path and PyTorch's
 #                       symmetric-memory ops (bench_async_tp.py; needs 2+ GPUs)
 #   E2E=1               Megatron MoE GPT training throughput, Turbo against the local spec (benchmark/e2e;
-#                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_NPROC, default 1; E2E_TP,
+#                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_SIZE, default small (or
+#                       finegrained: 128 experts top-8); E2E_NPROC, default 1; E2E_TP,
 #                       default 1: tensor parallelism with sequence parallelism, expert parallelism NPROC / TP)
 #   MEGATRON=1          install the carried megatron-core wheel (.whl/, name .whl in carry) into /tmp/site first
 #                       (implied by E2E=1); the integration tests then run against it
@@ -102,6 +105,11 @@ fi
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
 if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
   timeout 120 .venv/bin/python -m benchmark.ops.training.bench_gemm_overhead 2>&1 | tee "$OUT/overhead.log" || status=1
+fi
+if [ "${HOST:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_host_overhead \
+    ${HOST_ONLY:+--only "$HOST_ONLY"} -o "$OUT/host_overhead.csv" 2>&1 | grep -v Warning \
+    | tee "$OUT/bench_host_overhead.log" || status=1
 fi
 if [ "${FP8:-0}" = 1 ]; then
   for granularity in tensorwise rowwise blockwise mxfp8; do
@@ -204,9 +212,9 @@ if [ "${EP:-0}" = 1 ]; then
 fi
 if [ "${E2E:-0}" = 1 ]; then
   timeout "${E2E_TIMEOUT:-540}" .venv/bin/python -m benchmark.e2e.bench_megatron_moe --nproc "${E2E_NPROC:-1}" \
-    --tp "${E2E_TP:-1}" --steps "${E2E_STEPS:-50}" ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} \
-    -o "$OUT/megatron_moe.csv" 2>&1 \
-    | tee "$OUT/bench_megatron_moe.log" || status=1
+    --tp "${E2E_TP:-1}" --steps "${E2E_STEPS:-50}" --size "${E2E_SIZE:-small}" \
+    ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} -o "$OUT/megatron_moe_${E2E_SIZE:-small}.csv" 2>&1 \
+    | tee "$OUT/bench_megatron_moe_${E2E_SIZE:-small}.log" || status=1
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

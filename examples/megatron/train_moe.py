@@ -43,6 +43,11 @@ SIZES = {
         num_layers=8, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632, num_moe_experts=16,
         moe_router_topk=2, moe_ffn_hidden_size=1408, seq=4096, vocab=32768, batch=1,
     ),
+    # fine-grained experts (DeepSeek / Qwen3-MoE style): many small experts, so many short kernels a step
+    "finegrained": dict(
+        num_layers=4, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632, num_moe_experts=128,
+        moe_router_topk=8, moe_ffn_hidden_size=768, seq=4096, vocab=32768, batch=1,
+    ),
 }  # fmt: skip
 
 

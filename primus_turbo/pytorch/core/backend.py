@@ -5,6 +5,9 @@ Priority, high to low: code setter (``GlobalBackendManager.set_*_backend``) -> e
 ``set_auto_tune(True)`` or an ``autotune`` slot in the variable) -> the op's default -> the first
 registered backend whose ``can_handle`` accepts the call. A pinned backend that cannot handle a call
 raises ``ValueError``; it is never swapped silently.
+
+Eager calls resolve once per (op, precision, resolution key) and reuse the decision
+(``AutoKernelDispatcher.run``) until a setter, ``reset`` or the op's environment variables change.
 """
 
 from __future__ import annotations
@@ -83,6 +86,20 @@ _PRECISION_NAMES: dict[str, PrecisionType | None] = {
     "other": None,
 }
 _AUTOTUNE = "autotune"
+
+
+def _env_reader(name: str) -> Callable[[], Any]:
+    """A zero-argument reader of environment variable ``name`` for the per-call settings check.
+
+    On POSIX it reads ``os.environ``'s backing dict with the key encoded once (``os.environ.get``
+    encodes the key on every call, which costs as much as the rest of a cached backend lookup); any
+    change made through ``os.environ`` (``monkeypatch.setenv`` included) shows at once either way.
+    """
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and encode is not None:
+        return functools.partial(data.get, encode(name))
+    return functools.partial(os.environ.get, name)
 
 
 def precision_of(dtype: torch.dtype) -> PrecisionType:
@@ -171,6 +188,19 @@ class GlobalBackendManager:
     _NO_AUTOTUNE_OPS: ClassVar[frozenset[str]] = frozenset({"moe_dispatch_combine", "async_tp"})
     _code: ClassVar[dict[str, dict[PrecisionType, BackendChoice]]] = {}
     _auto_tune: ClassVar[bool | None] = None
+    # bumped by every setter and reset: cached backend decisions made under older settings are stale
+    _generation: ClassVar[int] = 0
+    _env_readers: ClassVar[dict[str, Callable[[], Any]]] = {}
+    _auto_tune_env: ClassVar[Callable[[], Any]] = _env_reader(ENV_AUTO_TUNE)
+
+    @classmethod
+    def settings_token(cls, op: str) -> tuple[int, Any, Any]:
+        """What every backend decision for ``op`` depends on beyond the call itself: equal tokens mean
+        a decision made earlier still holds."""
+        reader = cls._env_readers.get(op)
+        if reader is None:
+            reader = cls._env_readers[op] = _env_reader(cls._ENV_BY_OP[op])
+        return cls._generation, reader(), cls._auto_tune_env()
 
     @classmethod
     def set_backend(
@@ -194,6 +224,7 @@ class GlobalBackendManager:
             raise TypeError(f"backend must be a BackendType, a name or None, got {backend!r}")
         if auto_tune and op in cls._NO_AUTOTUNE_OPS:
             raise ValueError(f"autotune is not supported for {op}")
+        cls._generation += 1
         table = cls._code.setdefault(op, {})
         if backend is None and not auto_tune:
             if precision is None:
@@ -290,6 +321,7 @@ class GlobalBackendManager:
         """Turn autotune on or off for every op; ``None`` defers to ``PRIMUS_TURBO_AUTO_TUNE``."""
         if enabled is not None and not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool or None, got {enabled!r}")
+        cls._generation += 1
         cls._auto_tune = enabled
 
     @classmethod
@@ -303,6 +335,7 @@ class GlobalBackendManager:
         """Forget every code setting, the parsed environment and every autotune result."""
         cls._code.clear()
         cls._auto_tune = None
+        cls._generation += 1
         parse_backend_spec.cache_clear()
         AutoKernelDispatcher.clear_all_caches()
 
@@ -454,6 +487,8 @@ class AutoKernelDispatcher:
     """
 
     op_name: ClassVar[str] = "op"
+    # the GlobalBackendManager op whose settings this dispatcher follows ("gemm", "grouped_gemm", ...)
+    settings_op: ClassVar[str] = ""
     backends: ClassVar[dict[BackendType, type[KernelBackend]]] = {}
     cache_capacity: ClassVar[int] = 1024
     warmup_iters: ClassVar[int] = 3
@@ -462,13 +497,16 @@ class AutoKernelDispatcher:
     # A challenger must beat the op's default by this fraction to replace it, so noise never flips it.
     tune_margin: ClassVar[float] = 0.01
     _cache: ClassVar[TuneCache]
+    # resolve key -> (settings token, backend, its name, its execute)
+    _resolved: ClassVar[dict[Hashable, tuple[tuple[int, Any, Any], BackendType, str, Callable[..., Any]]]]
     _last_selected: ClassVar[BackendType | None] = None
-    _counts: ClassVar[Counter[BackendType]]
+    _counts: ClassVar[Counter[str]]  # keyed by BackendType.value: a str hashes in C, an Enum in Python
     _subclasses: ClassVar[list[type[AutoKernelDispatcher]]] = []
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._cache = TuneCache(cls.cache_capacity)
+        cls._resolved = {}
         cls._counts = Counter()
         AutoKernelDispatcher._subclasses.append(cls)
 
@@ -476,12 +514,20 @@ class AutoKernelDispatcher:
     def clear_all_caches(cls) -> None:
         for sub in AutoKernelDispatcher._subclasses:
             sub._cache.clear()
+            sub._resolved.clear()
             sub._counts.clear()
             sub._last_selected = None
 
     @classmethod
     def make_key(cls, **kwargs: Any) -> Hashable:
         raise NotImplementedError(f"{cls.__name__} must define make_key")
+
+    @classmethod
+    def resolve_key(cls, **kwargs: Any) -> Hashable:
+        """Everything the backends' ``can_handle``, ``default_backend`` and ``make_key`` read: calls with
+        equal keys (and unchanged settings) run on the same backend. Defaults to ``make_key``; override
+        where a backend declines on something the tuning key leaves out (a dtype, an alignment)."""
+        return cls.make_key(**kwargs)
 
     @classmethod
     def default_backend(cls, **kwargs: Any) -> BackendType | None:
@@ -500,7 +546,7 @@ class AutoKernelDispatcher:
     @classmethod
     def selection_counts(cls) -> dict[BackendType, int]:
         """How many calls of this op ran on each backend since the last reset."""
-        return dict(cls._counts)
+        return {BackendType(name): count for name, count in cls._counts.items()}
 
     @classmethod
     def _select(cls, backend: BackendType) -> BackendType:
@@ -508,7 +554,7 @@ class AutoKernelDispatcher:
         # records nothing: the selection is then part of the compiled graph, not a call
         if not torch.compiler.is_compiling():
             cls._last_selected = backend
-            cls._counts[backend] += 1
+            cls._counts[backend.value] += 1
         return backend
 
     @classmethod
@@ -560,19 +606,33 @@ class AutoKernelDispatcher:
     @classmethod
     def resolve(cls, user_choice: BackendChoice | None, **kwargs: Any) -> BackendType:
         """The backend this call runs on, following the priority order in the module docstring."""
+        return cls._select(cls._decide(user_choice, kwargs)[0])
+
+    @classmethod
+    def _decide(cls, user_choice: BackendChoice | None, kwargs: dict[str, Any]) -> tuple[BackendType, bool]:
+        """``(backend, final)``; not final when autotune is on but could not time this call (capture,
+        tracing): a later call may tune and choose differently."""
         if user_choice is not None and user_choice.backend is not None:
-            return cls._select(cls._pinned(user_choice.backend, kwargs))
+            return cls._pinned(user_choice.backend, kwargs), True
         if (user_choice is not None and user_choice.auto_tune) or GlobalBackendManager.auto_tune_enabled():
             key = cls.make_key(**kwargs)
             selected = cls._cache.get(key)
             if selected is None and not _tuning_forbidden(kwargs):
                 selected = cls.tune(key, kwargs)
+                if selected is None:
+                    return cls._fallback(kwargs), True
             if selected is not None:
-                return cls._select(selected)
+                return selected, True
+            return cls._fallback(kwargs), False
+        return cls._fallback(kwargs), True
+
+    @classmethod
+    def _fallback(cls, kwargs: dict[str, Any]) -> BackendType:
+        """The op's default where it can handle the call, else the first backend that can."""
         default = cls.default_backend(**kwargs)
         impl = cls.backends.get(default)
         if impl is not None and impl.can_handle(**kwargs):
-            return cls._select(default)
+            return default
         reasons = []
         for backend, impl in cls.backends.items():
             reason = impl.decline_reason(**kwargs)
@@ -584,9 +644,28 @@ class AutoKernelDispatcher:
                         f"{cls.op_name}: default backend {default.name} cannot handle a call; "
                         f"falling back to {backend.name}, which may be slower",
                     )
-                return cls._select(backend)
+                return backend
             reasons.append(f"{backend.name}: {reason}")
         raise ValueError(f"{cls.op_name}: no backend can handle this call ({'; '.join(reasons)})")
+
+    @classmethod
+    def run(cls, precision: PrecisionType, **kwargs: Any) -> Any:
+        """Run the call on its backend, resolved once per ``resolve_key`` and reused while the settings
+        (``GlobalBackendManager.settings_token``) stay the same: the eager path's backend lookup."""
+        key = cls.resolve_key(**kwargs)
+        token = GlobalBackendManager.settings_token(cls.settings_op)
+        hit = cls._resolved.get(key)
+        if hit is not None and hit[0] == token:
+            backend = hit[1]
+            cls._last_selected = backend
+            cls._counts[hit[2]] += 1
+            return hit[3](**kwargs)
+        backend, final = cls._decide(GlobalBackendManager.get_backend(cls.settings_op, precision), kwargs)
+        if final:
+            if len(cls._resolved) >= cls.cache_capacity:
+                cls._resolved.clear()
+            cls._resolved[key] = (token, backend, backend.value, cls.backends[backend].execute)
+        return cls.backends[cls._select(backend)].execute(**kwargs)
 
     @classmethod
     def dispatch(cls, user_choice: BackendChoice | None, **kwargs: Any) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.custom_op import apply_function, call_op
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
@@ -76,7 +76,8 @@ class _GatedActFp8Function(torch.autograd.Function):
 
 def _check(x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None) -> None:
     check_tensor("x", x)
-    check_dtype("x.dtype", x.dtype, _DTYPES)
+    if x.dtype not in _DTYPES:
+        check_dtype("x.dtype", x.dtype, _DTYPES)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x's last dimension must be even ([..., 2H]), got shape {tuple(x.shape)}")
     tokens = x.numel() // max(x.shape[-1], 1)
@@ -98,12 +99,17 @@ def _check(x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor |
 
 def _per_row(t: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels read per-row tensors (probs, row_mask) with a unit stride."""
-    return None if t is None else t.contiguous()
+    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def _gated(x, probs, row_mask, act) -> torch.Tensor:
     _check(x, probs, row_mask)
-    return _GatedActFunction.apply(x, _per_row(probs), _per_row(row_mask), act)
+    probs, row_mask = _per_row(probs), _per_row(row_mask)
+    if torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)):
+        return apply_function(_GatedActFunction, x, probs, row_mask, act)
+    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    return call_op(gated_act_fwd_impl, x2d, probs, row_mask, act).view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

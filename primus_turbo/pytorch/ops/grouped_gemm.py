@@ -15,7 +15,7 @@ import os
 import torch
 
 from primus_turbo.common.constants import ENV_DEBUG_CHECKS
-from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.custom_op import apply_function, call_op
 from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
@@ -60,12 +60,14 @@ def grouped_wgrad(
     """The weight gradient of ``grouped_gemm(a, b, ...)`` in a's dtype (``grad_out`` cast to it): per group
     [K, N] = a_g^T dy_g, or [N, K] = dy_g^T a_g for the transposed layout; added into ``b.main_grad``
     under the ``"megatron"`` pattern."""
-    grad_out = grad_out.to(a.dtype)
+    if grad_out.dtype != a.dtype:
+        grad_out = grad_out.to(a.dtype)
     lhs, rhs = (grad_out, a) if trans_b else (a, grad_out)
     if accum_pattern == "megatron":
         call_op(grouped_gemm_variable_k_accum_impl, lhs, rhs, group_offs, b.main_grad)
         return finish_fused_wgrad(b)
-    return call_op(grouped_gemm_variable_k_impl, lhs, rhs, group_offs).to(b.dtype)
+    grad_b = call_op(grouped_gemm_variable_k_impl, lhs, rhs, group_offs)
+    return grad_b if grad_b.dtype == b.dtype else grad_b.to(b.dtype)
 
 
 def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:
@@ -75,7 +77,7 @@ def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:
         return
     if group_lens.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
         return
-    if bool((group_lens < 0).any()):
+    if group_lens.numel() and int(group_lens.min()) < 0:
         raise ValueError(f"group_lens must be non-negative, got {group_lens.tolist()}")
     total = int(group_lens.sum())
     if total != tokens:
@@ -130,4 +132,6 @@ def grouped_gemm(
                 f"group_offs must have G + 1 = {b.shape[0] + 1} entries, got {group_offs.shape[0]}"
             )
     a = a if a.stride(-1) == 1 else a.contiguous()
-    return _GroupedGemmFunction.apply(a, b, group_offs, trans_b, fuse_bgrad_accum_pattern)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return apply_function(_GroupedGemmFunction, a, b, group_offs, trans_b, fuse_bgrad_accum_pattern)
+    return call_op(grouped_gemm_impl, a, b, group_offs, trans_b)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.custom_op import apply_function, call_op
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.normalization.rmsnorm_impl import (
@@ -105,9 +105,12 @@ class _RMSNormResidualFunction(torch.autograd.Function):
 def _check(x: torch.Tensor, gamma: torch.Tensor, eps: float, zero_centered: bool) -> None:
     check_tensor("x", x)
     check_tensor("gamma", gamma, dim=1)
-    check_dtype("x.dtype", x.dtype, _DTYPES)
-    check_dtype("gamma.dtype", gamma.dtype, _DTYPES)
-    check_same_device(x=x, gamma=gamma)
+    if x.dtype not in _DTYPES:
+        check_dtype("x.dtype", x.dtype, _DTYPES)
+    if gamma.dtype not in _DTYPES:
+        check_dtype("gamma.dtype", gamma.dtype, _DTYPES)
+    if x.device != gamma.device:
+        check_same_device(x=x, gamma=gamma)
     if x.dim() == 0 or x.shape[-1] != gamma.shape[0]:
         raise ValueError(
             f"gamma has {gamma.shape[0]} elements but x's last dimension is {tuple(x.shape)[-1:]}"
@@ -124,7 +127,10 @@ def rmsnorm(
     """``x / sqrt(mean(x^2, -1) + eps) * w`` with ``w = gamma`` (or ``1 + gamma``), differentiable in
     ``x`` and ``gamma``; any leading shape."""
     _check(x, gamma, eps, zero_centered)
-    return _RMSNormFunction.apply(x, gamma.contiguous(), eps, zero_centered)
+    gamma = gamma if gamma.is_contiguous() else gamma.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or gamma.requires_grad):
+        return apply_function(_RMSNormFunction, x, gamma, eps, zero_centered)
+    return call_op(rmsnorm_fwd_impl, _rows(x), gamma, eps, zero_centered)[0].view(x.shape)
 
 
 def rmsnorm_residual(
@@ -142,8 +148,13 @@ def rmsnorm_residual(
             f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, "
             f"x is {tuple(x.shape)} {x.dtype}"
         )
-    check_same_device(x=x, residual=residual)
-    return _RMSNormResidualFunction.apply(x, residual, gamma.contiguous(), eps, zero_centered)
+    if residual.device != x.device:
+        check_same_device(x=x, residual=residual)
+    gamma = gamma if gamma.is_contiguous() else gamma.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or gamma.requires_grad):
+        return apply_function(_RMSNormResidualFunction, x, residual, gamma, eps, zero_centered)
+    y, s, _ = call_op(rmsnorm_residual_fwd_impl, _rows(x), _rows(residual), gamma, eps, zero_centered)
+    return y.view(x.shape), s.view(x.shape)
 
 
 def rmsnorm_fp8(

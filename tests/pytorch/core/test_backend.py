@@ -294,3 +294,67 @@ def test_time_candidates_marks_failures_inf():
         {BackendType.TORCH: lambda: None, BackendType.CK: boom}, torch.device("cpu"), 1, 3, 0.1
     )
     assert timings[BackendType.CK] == float("inf") and timings[BackendType.TORCH] < 1.0
+
+
+class _ToyGemmDispatcher(_ToyDispatcher):
+    """The toy op, following the GEMM settings (setter and ``PRIMUS_TURBO_GEMM_BACKEND``)."""
+
+    op_name = "toy_gemm"
+    settings_op = "gemm"
+
+
+def test_run_resolves_once_and_reuses_the_decision(monkeypatch):
+    calls = []
+    real = _ToyGemmDispatcher._decide.__func__
+    monkeypatch.setattr(
+        _ToyGemmDispatcher, "_decide", classmethod(lambda cls, *a: calls.append(1) or real(cls, *a))
+    )
+    for _ in range(3):
+        assert _ToyGemmDispatcher.run(BF16, x=torch.ones(4)) == "fast"
+    assert len(calls) == 1 and _ToyGemmDispatcher.selection_counts() == {BackendType.TRITON: 3}
+    # a new resolution key (an odd size the default declines) resolves on its own
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(3)) == "slow"
+    assert len(calls) == 2 and _ToyGemmDispatcher.last_selected() is BackendType.TORCH
+
+
+def test_run_follows_setter_env_and_reset(monkeypatch):
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(4)) == "fast"
+    GlobalBackendManager.set_gemm_backend(BackendType.TORCH)
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(4)) == "slow"
+    GlobalBackendManager.set_gemm_backend(None)
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(4)) == "fast"
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "torch")
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(4)) == "slow"
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "fp8:torch")  # no entry for bf16: the default again
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(4)) == "fast"
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "triton")
+    with pytest.raises(ValueError, match="pinned backend TRITON cannot handle this call"):
+        _ToyGemmDispatcher.run(BF16, x=torch.ones(5))  # a pinned backend that declines raises every time
+    with pytest.raises(ValueError, match="pinned backend TRITON"):
+        _ToyGemmDispatcher.run(BF16, x=torch.ones(5))
+    monkeypatch.delenv("PRIMUS_TURBO_GEMM_BACKEND")
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(5)) == "slow"
+
+
+def test_run_under_autotune_caches_only_a_tuned_decision(monkeypatch):
+    monkeypatch.setenv("PRIMUS_TURBO_AUTO_TUNE", "1")
+    monkeypatch.setattr(backend_mod, "_tuning_forbidden", lambda kwargs: True)
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(12)) == "fast"  # the default while tuning is forbidden
+    assert len(_ToyGemmDispatcher._resolved) == 0
+    monkeypatch.setattr(backend_mod, "_tuning_forbidden", lambda kwargs: False)
+    monkeypatch.setattr(backend_mod, "_time_candidates", lambda fns, *args: {b: 1.0 for b in fns})
+    assert _ToyGemmDispatcher.run(BF16, x=torch.ones(12)) == "fast"
+    assert (
+        _ToyGemmDispatcher._cache.get((12,)) is BackendType.TRITON and len(_ToyGemmDispatcher._resolved) == 1
+    )
+    monkeypatch.setenv("PRIMUS_TURBO_AUTO_TUNE", "0")  # the switch is part of the settings token
+    assert GlobalBackendManager.settings_token("gemm")[2] in ("0", b"0")
+
+
+def test_settings_token_sees_environment_changes(monkeypatch):
+    before = GlobalBackendManager.settings_token("grouped_gemm")
+    monkeypatch.setenv("PRIMUS_TURBO_GROUPED_GEMM_BACKEND", "TRITON")
+    after = GlobalBackendManager.settings_token("grouped_gemm")
+    assert before != after and after[1] in ("TRITON", b"TRITON")
+    GlobalBackendManager.set_auto_tune(None)
+    assert GlobalBackendManager.settings_token("grouped_gemm")[0] == after[0] + 1

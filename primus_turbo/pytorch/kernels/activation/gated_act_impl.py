@@ -7,8 +7,6 @@ optional per-row tensors (routing probabilities, valid rows).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
@@ -42,8 +40,6 @@ __all__ = [
     "gated_act_reference",
 ]
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton_runs_on(x.device)
@@ -52,19 +48,14 @@ def _use_triton(x: torch.Tensor) -> bool:
 def _act(a: torch.Tensor, act: int) -> torch.Tensor:
     if act == SILU:
         return torch.nn.functional.silu(a)
-    return 0.5 * a * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a.pow(3))))
+    return torch.nn.functional.gelu(a, approximate="tanh")
 
 
-def _act_grad(a: torch.Tensor, act: int) -> torch.Tensor:
-    """d act(a) / da."""
+def _act_backward(grad: torch.Tensor, a: torch.Tensor, act: int) -> torch.Tensor:
+    """``grad * d act(a) / da`` (ATen's fused SiLU / tanh-GELU derivatives)."""
     if act == SILU:
-        sig = torch.sigmoid(a)
-        return sig * (1.0 + a * (1.0 - sig))
-    inner = _SQRT_2_OVER_PI * (a + 0.044715 * a.pow(3))
-    tanh = torch.tanh(inner)
-    return 0.5 * (1.0 + tanh) + 0.5 * a * (1.0 - tanh.pow(2)) * _SQRT_2_OVER_PI * (
-        1.0 + 3 * 0.044715 * a.pow(2)
-    )
+        return torch.ops.aten.silu_backward(grad, a)
+    return torch.ops.aten.gelu_backward(grad, a, approximate="tanh")
 
 
 def gated_act_reference(
@@ -110,10 +101,11 @@ def gated_act_bwd_impl(
         scale = scale * probs.float()[:, None]
     if row_mask is not None:
         scale = scale * row_mask[:, None]
-    dx = torch.cat([scale * b * _act_grad(a, act), scale * _act(a, act)], dim=-1).to(x.dtype)
+    act_a = _act(a, act)
+    dx = torch.cat([_act_backward(scale * b, a, act), scale * act_a], dim=-1).to(x.dtype)
     dprobs = x.new_empty(0, dtype=torch.float32)
     if probs is not None:
-        gated = _act(a, act) * b * dy.float()
+        gated = act_a * b * dy.float()
         if row_mask is not None:
             gated = gated * row_mask[:, None]
         dprobs = gated.sum(dim=-1)

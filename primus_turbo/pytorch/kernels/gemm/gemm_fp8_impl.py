@@ -18,7 +18,6 @@ import torch
 from primus_turbo.pytorch.core.backend import (
     AutoKernelDispatcher,
     BackendType,
-    GlobalBackendManager,
     KernelBackend,
     PrecisionType,
 )
@@ -153,6 +152,7 @@ class GemmFp8Dispatcher(AutoKernelDispatcher):
     on ROCm), the Triton kernel for block scaling on ROCm, the reference on the CPU."""
 
     op_name = "gemm_fp8"
+    settings_op = "gemm"
     backends = {
         BackendType.HIPBLASLT: HipblasltGemmFp8Backend,
         BackendType.TRITON: TritonGemmFp8Backend,
@@ -192,9 +192,8 @@ class GemmFp8Dispatcher(AutoKernelDispatcher):
 
 
 def _call(a, a_scale, b, b_scale, out_dtype, granularity, block_size, a_2d, b_2d, out) -> torch.Tensor:
-    choice = GlobalBackendManager.get_gemm_backend(PrecisionType.FP8)
-    return GemmFp8Dispatcher.dispatch(
-        choice,
+    return GemmFp8Dispatcher.run(
+        PrecisionType.FP8,
         a=a,
         a_scale=a_scale,
         b=b,

@@ -16,7 +16,6 @@ import torch
 from primus_turbo.pytorch.core.backend import (
     AutoKernelDispatcher,
     BackendType,
-    GlobalBackendManager,
     KernelBackend,
     precision_of,
 )
@@ -27,6 +26,7 @@ from primus_turbo.triton.utils.device_info import interpreter_active, triton_una
 __all__ = [
     "GemmDispatcher",
     "gemm_accum_impl",
+    "gemm_call",
     "gemm_impl",
     "last_selected_backend",
 ]
@@ -68,9 +68,13 @@ class TorchGemmBackend(KernelBackend):
 
     @staticmethod
     def execute(a, b, trans_a, trans_b, out_dtype, out=None, **_: Any) -> torch.Tensor:
-        compute = a.dtype if out_dtype == a.dtype else torch.float32
-        result = torch.mm(_op(a, trans_a).to(compute), _op(b, trans_b).to(compute))
-        return result.to(out_dtype) if out is None else out.add_(result)
+        lhs, rhs = _op(a, trans_a), _op(b, trans_b)
+        if out_dtype != a.dtype:
+            lhs, rhs = lhs.float(), rhs.float()
+        result = torch.mm(lhs, rhs)
+        if out is not None:
+            return out.add_(result)
+        return result if result.dtype == out_dtype else result.to(out_dtype)
 
 
 class HipblasltGemmBackend(KernelBackend):
@@ -127,6 +131,7 @@ class GemmDispatcher(AutoKernelDispatcher):
     """Backend choice for dense GEMM; the vendor BLAS is the default on GPUs (see docs/performance.md)."""
 
     op_name = "gemm"
+    settings_op = "gemm"
     backends = {
         BackendType.HIPBLASLT: HipblasltGemmBackend,
         BackendType.TRITON: TritonGemmBackend,
@@ -146,6 +151,11 @@ class GemmDispatcher(AutoKernelDispatcher):
         )
 
     @classmethod
+    def resolve_key(cls, a, b, trans_a, trans_b, out_dtype, out=None, **_: Any) -> Hashable:
+        return (a.device.type, *_mnk(a, b, trans_a, trans_b), a.dtype, b.dtype, out_dtype, trans_a, trans_b,
+                out is not None)  # fmt: skip
+
+    @classmethod
     def default_backend(cls, a, **_: Any) -> BackendType:
         return BackendType.HIPBLASLT if a.device.type == "cuda" else BackendType.TORCH
 
@@ -162,12 +172,13 @@ def last_selected_backend() -> BackendType | None:
     return GemmDispatcher.last_selected()
 
 
-def _gemm_call(a, b, trans_a, trans_b, out_dtype, out) -> torch.Tensor:
+def gemm_call(a, b, trans_a, trans_b, out_dtype, out=None) -> torch.Tensor:
+    """``primus_turbo::gemm``'s body (``out += ...`` when ``out`` is given), for eager callers that
+    checked ``direct_call_allowed``."""
     a, trans_a = _row_major(a, trans_a)
     b, trans_b = _row_major(b, trans_b)
-    choice = GlobalBackendManager.get_gemm_backend(precision_of(a.dtype))
-    return GemmDispatcher.dispatch(
-        choice,
+    return GemmDispatcher.run(
+        precision_of(a.dtype),
         a=a,
         b=b,
         trans_a=trans_a,
@@ -182,7 +193,7 @@ def gemm_impl(
     a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``op(a) @ op(b)`` as a new (M, N) tensor of ``out_dtype``."""
-    return _gemm_call(a, b, trans_a, trans_b, out_dtype, None)
+    return gemm_call(a, b, trans_a, trans_b, out_dtype, None)
 
 
 @gemm_impl.register_fake
@@ -196,7 +207,7 @@ def gemm_accum_impl(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_a: bool, trans_b: bool
 ) -> None:
     """``out += op(a) @ op(b)`` in ``out``'s dtype (fp32 ``main_grad`` for fused wgrad accumulation)."""
-    _gemm_call(a, b, trans_a, trans_b, out.dtype, out)
+    gemm_call(a, b, trans_a, trans_b, out.dtype, out)
 
 
 @gemm_accum_impl.register_fake

@@ -41,7 +41,6 @@ import torch
 from primus_turbo.pytorch.core.backend import (
     AutoKernelDispatcher,
     BackendType,
-    GlobalBackendManager,
     KernelBackend,
     PrecisionType,
 )
@@ -217,6 +216,7 @@ class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
     """Backend choice for the FP8 grouped GEMM (forward and dgrad)."""
 
     op_name = "grouped_gemm_fp8"
+    settings_op = "grouped_gemm"
     backends = {
         BackendType.TRITON: TritonGroupedGemmFp8Backend,
         BackendType.HIPBLASLT: HipblasltGroupedGemmFp8Backend,
@@ -226,6 +226,15 @@ class GroupedGemmFp8Dispatcher(AutoKernelDispatcher):
     @classmethod
     def make_key(cls, a, a_scale, b, trans_b, out_dtype, block_size, **_: Any) -> Hashable:
         return (a.device.type, token_shape_class(a.shape[0]), *b.shape, a_scale.dim(), trans_b, block_size)
+
+    @classmethod
+    def resolve_key(cls, a, a_scale, b, b_scale, trans_b, out_dtype, block_size, **kw: Any) -> Hashable:
+        # the Gluon kernel and torch._scaled_grouped_mm decline on dtypes, strides and scale layouts too
+        key = cls.make_key(
+            a=a, a_scale=a_scale, b=b, trans_b=trans_b, out_dtype=out_dtype, block_size=block_size
+        )
+        return (key, a.dtype, b.dtype, out_dtype, a.stride(), b.stride(), a_scale.shape, a_scale.stride(),
+                b_scale.shape, b_scale.stride())  # fmt: skip
 
     @classmethod
     def default_backend(cls, **kwargs: Any) -> BackendType:
@@ -258,9 +267,8 @@ def grouped_gemm_fp8_impl(
 ) -> torch.Tensor:
     """[T, N] grouped product of FP8 operands with their dequantization scales (``block_size`` > 0:
     block scaling)."""
-    choice = GlobalBackendManager.get_grouped_gemm_backend(PrecisionType.FP8)
-    return GroupedGemmFp8Dispatcher.dispatch(
-        choice,
+    return GroupedGemmFp8Dispatcher.run(
+        PrecisionType.FP8,
         a=a,
         a_scale=a_scale,
         b=b,

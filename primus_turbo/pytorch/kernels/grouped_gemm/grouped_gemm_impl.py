@@ -13,12 +13,12 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from primus_turbo.common.platform import is_hopper_or_newer
 from primus_turbo.pytorch.core.backend import (
     AutoKernelDispatcher,
     BackendType,
-    GlobalBackendManager,
     KernelBackend,
     precision_of,
 )
@@ -59,9 +59,26 @@ def _grouped_mm_usable(a: torch.Tensor, *others: torch.Tensor) -> bool:
     )
 
 
+# group_offs -> (its version, its int32 ends): a layer's forward, dgrad and wgrad (and fc1 and fc2, which
+# share the routing) convert the same offsets once instead of launching a conversion per GEMM
+_ENDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _ends(group_offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm``'s offsets: the int32 end row of each group."""
-    return group_offs[1:].to(torch.int32)
+    """``torch._grouped_mm``'s offsets: the int32 end row of each group, converted once per offsets
+    tensor (and version). Not reused while a CUDA graph is captured: an earlier conversion made outside
+    the graph would not be replayed with it."""
+    hit = _ENDS.get(group_offs)
+    if hit is not None and hit[0] == group_offs._version and not _capturing(group_offs):
+        return hit[1]
+    ends = group_offs[1:].to(torch.int32)
+    if not _capturing(group_offs):
+        _ENDS[group_offs] = (group_offs._version, ends)
+    return ends
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class TorchGroupedGemmBackend(KernelBackend):
@@ -127,6 +144,7 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
     """Backend choice for the grouped GEMM (forward and dgrad)."""
 
     op_name = "grouped_gemm"
+    settings_op = "grouped_gemm"
     backends = {
         BackendType.TRITON: TritonGroupedGemmBackend,
         BackendType.TORCH: TorchGroupedGemmBackend,
@@ -137,6 +155,10 @@ class GroupedGemmDispatcher(AutoKernelDispatcher):
     @classmethod
     def make_key(cls, a, b, group_offs, trans_b, **_: Any) -> Hashable:
         return (a.device.type, token_shape_class(a.shape[0]), *b.shape, a.dtype, trans_b)
+
+    @classmethod
+    def resolve_key(cls, a, b, group_offs, trans_b, **_: Any) -> Hashable:
+        return (a.device.type, token_shape_class(a.shape[0]), *b.shape, a.dtype, b.dtype, trans_b, a.shape[1])
 
     @classmethod
     def default_backend(cls, a, b, **_: Any) -> BackendType:
@@ -188,6 +210,7 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
     """Backend choice for the variable-K grouped GEMM (wgrad)."""
 
     op_name = "grouped_gemm_variable_k"
+    settings_op = "grouped_gemm"
     backends = {
         BackendType.TRITON: TritonGroupedGemmVariableKBackend,
         BackendType.TORCH: TorchGroupedGemmVariableKBackend,
@@ -199,6 +222,10 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
     def make_key(cls, lhs, rhs, group_offs, out=None, **_: Any) -> Hashable:
         shape = (token_shape_class(lhs.shape[0]), lhs.shape[1], rhs.shape[1], group_offs.numel() - 1)
         return (lhs.device.type, *shape, lhs.dtype, out is not None)
+
+    @classmethod
+    def resolve_key(cls, lhs, rhs, group_offs, out=None, **kw: Any) -> Hashable:
+        return (cls.make_key(lhs=lhs, rhs=rhs, group_offs=group_offs, out=out), rhs.dtype)
 
     @classmethod
     def default_backend(cls, lhs, **_: Any) -> BackendType:
@@ -214,16 +241,12 @@ class GroupedGemmVariableKDispatcher(AutoKernelDispatcher):
         return tuned
 
 
-def _choice(dtype: torch.dtype):
-    return GlobalBackendManager.get_grouped_gemm_backend(precision_of(dtype))
-
-
 @custom_op("primus_turbo::grouped_gemm", mutates_args=())
 def grouped_gemm_impl(
     a: torch.Tensor, b: torch.Tensor, group_offs: torch.Tensor, trans_b: bool
 ) -> torch.Tensor:
     """[T, N]: rows ``offs[g]:offs[g + 1]`` of ``a`` [T, K] times ``b[g]`` ([K, N], or [N, K] transposed)."""
-    return GroupedGemmDispatcher.dispatch(_choice(a.dtype), a=a, b=b, group_offs=group_offs, trans_b=trans_b)
+    return GroupedGemmDispatcher.run(precision_of(a.dtype), a=a, b=b, group_offs=group_offs, trans_b=trans_b)
 
 
 @grouped_gemm_impl.register_fake
@@ -236,8 +259,8 @@ def grouped_gemm_variable_k_impl(
     lhs: torch.Tensor, rhs: torch.Tensor, group_offs: torch.Tensor
 ) -> torch.Tensor:
     """[G, P, Q]: ``lhs[rows of g]^T @ rhs[rows of g]`` for ``lhs`` [T, P] and ``rhs`` [T, Q]."""
-    return GroupedGemmVariableKDispatcher.dispatch(
-        _choice(lhs.dtype), lhs=lhs, rhs=rhs, group_offs=group_offs
+    return GroupedGemmVariableKDispatcher.run(
+        precision_of(lhs.dtype), lhs=lhs, rhs=rhs, group_offs=group_offs
     )
 
 
@@ -251,8 +274,8 @@ def grouped_gemm_variable_k_accum_impl(
     lhs: torch.Tensor, rhs: torch.Tensor, group_offs: torch.Tensor, out: torch.Tensor
 ) -> None:
     """``out[g] += lhs[rows of g]^T @ rhs[rows of g]`` (fp32 ``main_grad`` for fused wgrad accumulation)."""
-    GroupedGemmVariableKDispatcher.dispatch(
-        _choice(lhs.dtype), lhs=lhs, rhs=rhs, group_offs=group_offs, out=out
+    GroupedGemmVariableKDispatcher.run(
+        precision_of(lhs.dtype), lhs=lhs, rhs=rhs, group_offs=group_offs, out=out
     )
 
 

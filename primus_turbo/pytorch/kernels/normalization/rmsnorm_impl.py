@@ -45,6 +45,10 @@ def _weight(gamma: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     return gamma.float() + 1.0 if zero_centered else gamma.float()
 
 
+# ATen's fused RMSNorm forward (one op, fp32 statistics) where this torch has it; its backward is CUDA-only
+_FUSED_FWD = getattr(torch.ops.aten, "_fused_rms_norm", None)
+
+
 def rmsnorm_fwd_reference(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -55,6 +59,9 @@ def rmsnorm_fwd_reference(
     """``(y, s, rstd)`` in fp32 math: ``s = x (+ residual)`` in x's dtype, ``y = s * rstd * w``."""
     s32 = x.float() if residual is None else x.float() + residual.float()
     s = x if residual is None else s32.to(x.dtype).contiguous()
+    if _FUSED_FWD is not None and s32.shape[0]:
+        y32, rstd = _FUSED_FWD(s32, [s32.shape[1]], _weight(gamma, zero_centered), eps)
+        return y32.to(x.dtype).contiguous(), s, rstd.view(-1)
     rstd = torch.rsqrt(s32.square().mean(dim=-1) + eps)
     y = (s32 * rstd[:, None] * _weight(gamma, zero_centered)).to(x.dtype).contiguous()
     return y, s, rstd
