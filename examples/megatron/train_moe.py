@@ -7,7 +7,8 @@ Megatron's local spec from the same initial weights on the same data and prints 
 
 Without a GPU it trains a tiny model over 2 gloo processes with expert parallelism 2 (the portable
 dispatch backend); with GPUs, ``--size small`` is a realistic small model (hidden 2048, 8 layers, 16
-experts top-2, sequence 4096) on ``--nproc`` GPUs.
+experts top-2, sequence 4096) on ``--nproc`` GPUs, and ``--size finegrained`` a fine-grained MoE (hidden
+2048, 4 layers, 128 experts top-8 of ffn 768), whose many short expert kernels make the host path show.
 
     python examples/megatron/train_moe.py                      # CPU: tiny, 2 processes, EP 2
     python examples/megatron/train_moe.py --size small --nproc 1 --compare --enable-primus-turbo

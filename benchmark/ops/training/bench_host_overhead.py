@@ -39,6 +39,7 @@ from benchmark.ops.training.bench_utils import platform_name
 __all__ = ["Case", "host_us", "main", "op_cases"]
 
 _log = logging.getLogger(__name__)
+_ROUND_US = 100_000.0
 
 
 @dataclass
@@ -94,7 +95,15 @@ def _backward_step(fn: Callable[[], object], leaves: list[torch.Tensor]) -> Call
 def _paired(
     fns: Sequence[Callable[[], object]], calls: int, rounds: int, device: torch.device
 ) -> list[float]:
-    """Median per-call host microseconds of each function, the functions alternating round by round."""
+    """Median per-call host microseconds of each function, the functions alternating round by round.
+
+    A slow call (a CPU reference path in milliseconds) gets fewer calls per round, at least 5, so that a
+    round lasts about ``_ROUND_US`` at most."""
+    per_call = []
+    for fn in fns:
+        fn()
+        per_call.append(host_us(fn, 3, device))
+    calls = max(5, min(calls, int(_ROUND_US / max(per_call))))
     for fn in fns:
         for _ in range(max(3, calls // 10)):
             fn()
@@ -187,8 +196,8 @@ class _GroupedMM(torch.autograd.Function):
 
 class _ScaledGroupedMM(torch.autograd.Function):
     """The PyTorch peer of ``grouped_gemm_fp8`` rowwise: per-row quantization with torch ops and
-    ``torch._scaled_grouped_mm`` for the forward and dgrad, the wgrad in bf16 (torch has no per-group
-    scaled variable-K GEMM)."""
+    ``torch._scaled_grouped_mm`` for the forward and dgrad (E4M3 both, the only format it takes), the
+    wgrad in bf16 (torch has no per-group scaled variable-K GEMM)."""
 
     @staticmethod
     def forward(ctx, a, w, ends):
@@ -202,7 +211,7 @@ class _ScaledGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, w, ends = ctx.saved_tensors
-        qg, sg = _quant_rows(grad, torch.float8_e5m2)
+        qg, sg = _quant_rows(grad, torch.float8_e4m3fn)  # torch._scaled_grouped_mm takes E4M3 only
         wt = w.transpose(1, 2).contiguous()
         qwt, swt = _quant_rows(wt, torch.float8_e4m3fn)
         da = torch._scaled_grouped_mm(
@@ -273,7 +282,7 @@ def op_cases(device: torch.device, dtype: torch.dtype | None = None) -> list[Cas
             target=1.5,
         )
     )
-    a = _leaf(tokens, fp8_dim, device=device, dtype=dtype)
+    a = _leaf(2 * tokens, fp8_dim, device=device, dtype=dtype)  # MX blocks need M % 32 == 0
     w = _leaf(fp8_dim, fp8_dim, device=device, dtype=dtype)
     for name in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
         config = quant_config(name)
