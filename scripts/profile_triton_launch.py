@@ -6,18 +6,19 @@ lookup, launch), and the ``CompiledKernel`` that launch returns, called through 
 and through its ``run`` entry with the stream and metadata prebuilt (what a launcher of our own that
 caches per specialization would do). Each variant's output is checked against the peer first. GPU only.
 
-    python scripts/profile_triton_launch.py --calls 5000
+    PYTHONPATH=. python scripts/profile_triton_launch.py --calls 5000
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import triton
 import triton.language as tl
 from tabulate import tabulate
+
+from benchmark.ops.training.bench_host_overhead import host_us as bench_host_us
 
 
 @triton.jit
@@ -56,15 +57,10 @@ def _scale_kernel_wide(
 
 
 def host_us(fn, calls: int) -> float:
+    """Warm host microseconds per call (``bench_host_overhead``'s timer after 100 warm-up calls)."""
     for _ in range(100):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return bench_host_us(fn, calls, torch.device("cuda"))
 
 
 def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list[list]:

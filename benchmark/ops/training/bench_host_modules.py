@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from benchmark.ops.training.bench_host_overhead import Case
+from benchmark.ops.training.bench_utils import HostCase as Case
 
 __all__ = ["module_cases"]
 
@@ -82,32 +82,20 @@ def module_cases(device: torch.device) -> list[Case]:
         return lambda: module(x)[0]
 
     cases = []
-    turbo_col = TurboColumnParallelLinear(hidden, ffn, **column).to(device)
-    local_col = ColumnParallelLinear(hidden, ffn, **column).to(device)
-    cases.append(
-        Case(
-            "megatron",
-            "TurboColumnParallelLinear",
-            out(turbo_col),
-            out(local_col),
-            [x, turbo_col.weight, local_col.weight],
-            "ColumnParallelLinear",
-            target=1.5,
+    linears = {}
+    for turbo_cls, local_cls, out_features, kwargs in (
+        (TurboColumnParallelLinear, ColumnParallelLinear, ffn, column),
+        (TurboRowParallelLinear, RowParallelLinear, hidden, row),
+    ):
+        turbo = turbo_cls(hidden, out_features, **kwargs).to(device)
+        local = linears[local_cls] = local_cls(hidden, out_features, **kwargs).to(device)
+        leaves = [x, turbo.weight, local.weight]
+        cases.append(
+            Case(
+                "megatron", turbo_cls.__name__, out(turbo), out(local), leaves, local_cls.__name__, target=1.5
+            )
         )
-    )
-    turbo_row = TurboRowParallelLinear(hidden, hidden, **row).to(device)
-    local_row = RowParallelLinear(hidden, hidden, **row).to(device)
-    cases.append(
-        Case(
-            "megatron",
-            "TurboRowParallelLinear",
-            out(turbo_row),
-            out(local_row),
-            [x, turbo_row.weight, local_row.weight],
-            "RowParallelLinear",
-            target=1.5,
-        )
-    )
+    local_col = linears[ColumnParallelLinear]
     turbo_norm = TurboRMSNorm(config, hidden, eps=1e-5).to(device)
     local_norm = WrappedTorchNorm(config, hidden, eps=1e-5).to(device)
     cases.append(

@@ -28,34 +28,18 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from benchmark.ops.training.bench_utils import HostCase as Case
 from benchmark.ops.training.bench_utils import platform_name
 
-__all__ = ["Case", "host_us", "main", "op_cases"]
+__all__ = ["host_us", "main", "op_cases"]
 
 _log = logging.getLogger(__name__)
 _ROUND_US = 100_000.0
-
-
-@dataclass
-class Case:
-    """One op (or module) and its peer. ``turbo``/``peer`` return the outputs whose backward is timed;
-    ``leaves`` are the tensors whose ``.grad`` is reset after each backward. ``fwd_only`` skips the
-    backward rows (ops without one); ``target`` is the issue's bound on turbo / peer forward + backward."""
-
-    family: str
-    name: str
-    turbo: Callable[[], object]
-    peer: Callable[[], object] | None
-    leaves: list[torch.Tensor] = field(default_factory=list)
-    peer_label: str = ""
-    fwd_only: bool = False
-    target: float | None = None
 
 
 def _sync(device: torch.device) -> None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from tabulate import tabulate
 from benchmark.ops.training.config import GemmShape
 
 __all__ = [
+    "HostCase",
     "ROTATION_BYTES",
     "copy_ms",
     "cpu_timer",
@@ -274,3 +276,20 @@ def spawn_ranks(run: Callable, args: argparse.Namespace, what: str, columns: lis
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, "store")
         mp.spawn(_rank_worker, args=(world, store, run, args, columns), nprocs=world, join=True)
+
+
+@dataclass
+class HostCase:
+    """One op (or module) and its peer, a row of ``bench_host_overhead``. ``turbo``/``peer`` return the
+    outputs whose backward is timed;
+    ``leaves`` are the tensors whose ``.grad`` is reset after each backward. ``fwd_only`` skips the
+    backward rows (ops without one); ``target`` is the issue's bound on turbo / peer forward + backward."""
+
+    family: str
+    name: str
+    turbo: Callable[[], object]
+    peer: Callable[[], object] | None
+    leaves: list[torch.Tensor] = field(default_factory=list)
+    peer_label: str = ""
+    fwd_only: bool = False
+    target: float | None = None
