@@ -205,16 +205,21 @@ class _ScaledGroupedMM(torch.autograd.Function):
         return da, dw, None
 
 
-def _grouped_peer(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tuple[Callable[[], object], str]:
-    """torch._grouped_mm with its own autograd where that works, else with the derivative written out."""
+def _grouped_peer(a: torch.Tensor, w: torch.Tensor, lens: torch.Tensor) -> tuple[Callable[[], object], str]:
+    """torch._grouped_mm from the same int64 group sizes (their int32 prefix sum made per call, as a caller
+    of torch's op must), with torch's autograd where that works, else with the derivative written out."""
     try:
-        out = torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
+        out = torch._grouped_mm(a, w.transpose(1, 2), offs=torch.cumsum(lens, 0, dtype=torch.int32))
         out.backward(torch.ones_like(out))
         a.grad = w.grad = None
-        return (lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=ends)), "torch._grouped_mm"
+        label = "cumsum + torch._grouped_mm"
+        return (
+            lambda: torch._grouped_mm(a, w.transpose(1, 2), offs=torch.cumsum(lens, 0, dtype=torch.int32))
+        ), label
     except RuntimeError:
         a.grad = w.grad = None
-        return (lambda: _GroupedMM.apply(a, w, ends)), "torch._grouped_mm (derivative in Python)"
+        label = "cumsum + torch._grouped_mm (derivative in Python)"
+        return (lambda: _GroupedMM.apply(a, w, torch.cumsum(lens, 0, dtype=torch.int32))), label
 
 
 def _router_peer(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,7 +294,7 @@ def op_cases(device: torch.device, dtype: torch.dtype | None = None) -> list[Cas
     ga8 = _leaf(tokens * 2, fp8_dim, device=device, dtype=dtype)
     gw8 = _leaf(experts, fp8_dim, fp8_dim, device=device, dtype=dtype)
     ends = torch.cumsum(lens, 0).to(torch.int32)
-    peer, label = _grouped_peer(ga, gw, ends)
+    peer, label = _grouped_peer(ga, gw, lens)
     cases.append(
         Case(
             "grouped_gemm",

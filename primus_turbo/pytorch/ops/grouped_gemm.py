@@ -77,9 +77,10 @@ def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:
         return
     if group_lens.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
         return
-    if group_lens.numel() and int(group_lens.min()) < 0:
-        raise ValueError(f"group_lens must be non-negative, got {group_lens.tolist()}")
-    total = int(group_lens.sum())
+    lens = group_lens.tolist()  # one copy (free on the host), then plain Python
+    if any(n < 0 for n in lens):
+        raise ValueError(f"group_lens must be non-negative, got {lens}")
+    total = sum(lens)
     if total != tokens:
         raise ValueError(f"group_lens sum to {total}, but a has {tokens} rows")
 

@@ -246,3 +246,22 @@ def test_unaligned_rows_use_the_fallback(k, n):
     b = torch.randn(2, k, n, device=DEVICE)
     expected = torch.cat([a[:3] @ b[0], a[3:] @ b[1]])
     torch.testing.assert_close(grouped_gemm(a, b, lens), expected)
+
+
+def test_group_ends_converted_once_per_offsets_version():
+    """The int32 ends torch._grouped_mm reads are made once per offsets tensor, again after an in-place
+    change, and always for inference tensors (which keep no version)."""
+    offs = torch.tensor([0, 2, 5], device=DEVICE)
+    first = impl._ends(offs)
+    assert first.dtype == torch.int32 and first.tolist() == [2, 5]
+    assert impl._ends(offs) is first
+    offs[2] = 6
+    assert impl._ends(offs).tolist() == [2, 6]
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 1, 3], device=DEVICE)
+        assert impl._ends(frozen).tolist() == [1, 3]
+        a = torch.randn(3, 16, device=DEVICE)
+        b = torch.randn(2, 16, 16, device=DEVICE)
+        out = grouped_gemm(a, b, torch.tensor([1, 2], device=DEVICE))
+    tol = 1e-4 if DEVICE == "cpu" else 1e-2  # the Triton fp32 kernel multiplies in tf32
+    torch.testing.assert_close(out, torch.cat([a[:1] @ b[0], a[1:] @ b[1]]), rtol=tol, atol=tol)

@@ -24,7 +24,7 @@ def compute_group_offs(group_lens: torch.Tensor) -> torch.Tensor:
         )
     if _HAS_CPP_EXTENSION and group_lens.is_cuda:
         return torch.ops.primus_turbo_cpp_extension.grouped_gemm_compute_offs(group_lens.contiguous())
-    return torch.cat([group_lens.new_zeros(1), torch.cumsum(group_lens, 0)])
+    return torch.nn.functional.pad(torch.cumsum(group_lens, 0), (1, 0))
 
 
 def balanced_group_offs(group_offs: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -66,14 +66,15 @@ _ENDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def _ends(group_offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``'s offsets: the int32 end row of each group, converted once per offsets
-    tensor (and version). Not reused while a CUDA graph is captured: an earlier conversion made outside
-    the graph would not be replayed with it."""
+    tensor (and version). Not reused while a CUDA graph is captured (an earlier conversion made outside
+    the graph would not be replayed with it), nor for inference tensors (they keep no version)."""
+    if _capturing(group_offs) or group_offs.is_inference():
+        return group_offs[1:].to(torch.int32)
     hit = _ENDS.get(group_offs)
-    if hit is not None and hit[0] == group_offs._version and not _capturing(group_offs):
+    if hit is not None and hit[0] == group_offs._version:
         return hit[1]
     ends = group_offs[1:].to(torch.int32)
-    if not _capturing(group_offs):
-        _ENDS[group_offs] = (group_offs._version, ends)
+    _ENDS[group_offs] = (group_offs._version, ends)
     return ends
 
 

@@ -59,7 +59,7 @@ def rmsnorm_fwd_reference(
     """``(y, s, rstd)`` in fp32 math: ``s = x (+ residual)`` in x's dtype, ``y = s * rstd * w``."""
     s32 = x.float() if residual is None else x.float() + residual.float()
     s = x if residual is None else s32.to(x.dtype).contiguous()
-    if _FUSED_FWD is not None and s32.shape[0]:
+    if _FUSED_FWD is not None and s32.numel():
         y32, rstd = _FUSED_FWD(s32, [s32.shape[1]], _weight(gamma, zero_centered), eps)
         return y32.to(x.dtype).contiguous(), s, rstd.view(-1)
     rstd = torch.rsqrt(s32.square().mean(dim=-1) + eps)
