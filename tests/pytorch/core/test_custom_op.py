@@ -8,6 +8,7 @@ from torch.overrides import TorchFunctionMode
 
 from primus_turbo.pytorch.core.custom_op import apply_function, call_op, custom_op, direct_call_allowed
 
+
 @custom_op("primus_turbo_test::scaled", mutates_args=())
 def _scaled(x: torch.Tensor, alpha: float) -> torch.Tensor:
     return x * alpha
