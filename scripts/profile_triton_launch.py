@@ -57,10 +57,7 @@ def _scale_kernel_wide(
 
 
 def host_us(fn, calls: int) -> float:
-    """Warm host microseconds per call (``bench_host_overhead``'s timer after 100 warm-up calls)."""
-    for _ in range(100):
-        fn()
-    return bench_host_us(fn, calls, torch.device("cuda"))
+    return bench_host_us(fn, calls, torch.device("cuda"), warmup=100)
 
 
 def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list[list]:

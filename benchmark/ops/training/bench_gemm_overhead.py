@@ -16,23 +16,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 from tabulate import tabulate
 
+from benchmark.ops.training.bench_host_overhead import host_us as bench_host_us
+
 
 def host_us(fn, calls: int) -> float:
     """Microseconds of host time per call of ``fn`` (warm), synchronizing only at the end."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return bench_host_us(fn, calls, torch.device("cuda"), warmup=50)
 
 
 def main(argv: list[str] | None = None) -> None:

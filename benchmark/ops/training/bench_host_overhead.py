@@ -47,8 +47,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Microseconds of host time per call of ``fn`` (warm), synchronising only after the loop."""
+def host_us(fn: Callable[[], object], calls: int, device: torch.device, warmup: int = 0) -> float:
+    """Microseconds of host time per call of ``fn`` after ``warmup`` untimed calls, synchronising only
+    after the timed loop."""
+    for _ in range(warmup):
+        fn()
     _sync(device)
     start = time.perf_counter()
     for _ in range(calls):

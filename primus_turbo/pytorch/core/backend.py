@@ -661,11 +661,12 @@ class AutoKernelDispatcher:
             cls._counts[hit[2]] += 1
             return hit[3](**kwargs)
         backend, final = cls._decide(GlobalBackendManager.get_backend(cls.settings_op, precision), kwargs)
+        execute = cls.backends[cls._select(backend)].execute
         if final:
             if len(cls._resolved) >= cls.cache_capacity:
                 cls._resolved.clear()
-            cls._resolved[key] = (token, backend, backend.value, cls.backends[backend].execute)
-        return cls.backends[cls._select(backend)].execute(**kwargs)
+            cls._resolved[key] = (token, backend, backend.value, execute)
+        return execute(**kwargs)
 
     @classmethod
     def dispatch(cls, user_choice: BackendChoice | None, **kwargs: Any) -> Any:

@@ -42,15 +42,21 @@ def _gated_backward(ctx, dy) -> tuple[torch.Tensor, torch.Tensor | None]:
     return dx.view(ctx.shape), grad_probs
 
 
+def _gated_forward(x, probs, row_mask, act) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [..., H], the (rows, 2H) view of ``x`` the kernel read, for backward)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+    out = call_op(gated_act_fwd_impl, x2d, probs, row_mask, act)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2), x2d
+
+
 class _GatedActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, row_mask, act):
-        x2d = x.reshape(-1, x.shape[-1])
-        x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-        out = call_op(gated_act_fwd_impl, x2d, probs, row_mask, act)
+        out, x2d = _gated_forward(x, probs, row_mask, act)
         ctx.save_for_backward(x2d, probs, row_mask)
         ctx.act, ctx.shape = act, x.shape
-        return out.view(*x.shape[:-1], x.shape[-1] // 2)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -107,9 +113,7 @@ def _gated(x, probs, row_mask, act) -> torch.Tensor:
     probs, row_mask = _per_row(probs), _per_row(row_mask)
     if torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)):
         return apply_function(_GatedActFunction, x, probs, row_mask, act)
-    x2d = x.reshape(-1, x.shape[-1])
-    x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    return call_op(gated_act_fwd_impl, x2d, probs, row_mask, act).view(*x.shape[:-1], x.shape[-1] // 2)
+    return _gated_forward(x, probs, row_mask, act)[0]
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
