@@ -7,11 +7,17 @@ and through its ``run`` entry with the stream and metadata prebuilt (what a laun
 caches per specialization would do). Each variant's output is checked against the peer first. GPU only.
 
     PYTHONPATH=. python scripts/profile_triton_launch.py --calls 5000
+    PYTHONPATH=. python scripts/profile_triton_launch.py --cprofile rmsnorm,swiglu
+
+``--cprofile`` shows where an op's host time goes: it profiles the named rows of ``bench_host_overhead``
+(forward under ``no_grad``, then forward + backward) and prints the functions that hold the most time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 
 import torch
 import triton
@@ -97,10 +103,40 @@ def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list
     return rows
 
 
+def profile_cases(names: list[str], calls: int, top: int) -> None:
+    """cProfile of ``calls`` forward and forward + backward calls of each named host-bench row."""
+    from benchmark.ops.training.bench_host_overhead import _backward_step, op_cases
+
+    device = torch.device("cuda")
+    for case in op_cases(device):
+        if not any(name == case.name.split()[0] for name in names):
+            continue
+        steps = [("forward", case.turbo)]
+        if not case.fwd_only:
+            steps.append(("forward+backward", _backward_step(case.turbo, case.leaves)))
+        for label, fn in steps:
+            grad = label != "forward"
+            with torch.set_grad_enabled(grad):
+                host_us(fn, 100)
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(calls):
+                    fn()
+                profiler.disable()
+            torch.cuda.synchronize()
+            print(f"== {case.name} {label}: {calls} calls")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--cprofile", default="", help="comma-separated bench_host_overhead op names to profile")
+    p.add_argument("--top", type=int, default=25, help="functions printed per profile")
     args = p.parse_args()
+    if args.cprofile:
+        profile_cases([n.strip() for n in args.cprofile.split(",") if n.strip()], args.calls, args.top)
+        return
     n, block = 4096, 1024
     x = torch.randn(n, device="cuda")
     y = torch.empty_like(x)

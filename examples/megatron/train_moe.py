@@ -53,6 +53,9 @@ SIZES = {
 
 
 FINAL_STEPS = 10
+CUDA_GRAPH_IMPLS = ("none", "step", "local", "full_iteration")
+MEGATRON_GRAPH_IMPLS = ("local", "full_iteration")  # run through Megatron's forward_backward_func
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 
 
 @dataclass
@@ -97,7 +100,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cuda-graph",
         action="store_true",
         help="capture the Turbo model's forward+backward in one CUDA graph after the warm-up steps and "
-        "replay it (one GPU: the one-rank MoE path never waits for the host); the local spec stays eager",
+        "replay it (one GPU: the one-rank MoE path never waits for the host); the local spec stays eager. "
+        "Same as --cuda-graph-impl step",
+    )
+    parser.add_argument(
+        "--cuda-graph-impl",
+        choices=CUDA_GRAPH_IMPLS,
+        default="none",
+        help="CUDA graphs for the Turbo model: 'step' is this example's own capture of the forward+backward; "
+        "'local' is megatron-core's per-layer graphs (cuda_graph_impl='local', scope from "
+        "--cuda-graph-modules) and 'full_iteration' its whole forward_backward_func graph, both run through "
+        "Megatron's schedule (default: none)",
+    )
+    parser.add_argument(
+        "--cuda-graph-modules",
+        nargs="*",
+        choices=CUDA_GRAPH_MODULES,
+        default=[],
+        help="with --cuda-graph-impl local: the parts of each layer captured (megatron-core's "
+        "cuda_graph_modules; none given: the whole layer)",
     )
     parser.add_argument(
         "--micro-batches",
@@ -112,10 +133,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.enable_primus_turbo = True  # the example's point: implied unless --local-only
     if args.micro_batches < 1:
         parser.error("--micro-batches must be at least 1")
+    if args.cuda_graph:
+        if args.cuda_graph_impl not in ("none", "step"):
+            parser.error(f"--cuda-graph is --cuda-graph-impl step, not {args.cuda_graph_impl}")
+        args.cuda_graph_impl = "step"
+    args.cuda_graph = args.cuda_graph_impl == "step"
+    if args.cuda_graph_modules and args.cuda_graph_impl != "local":
+        parser.error("--cuda-graph-modules selects the parts of megatron-core's --cuda-graph-impl local")
     if args.cuda_graph and args.micro_batches > 1:
         parser.error("--cuda-graph captures one micro-batch a step: its gradients are rewritten, not summed")
-    if args.cuda_graph and (args.nproc != 1 or not torch.cuda.is_available()):
-        parser.error("--cuda-graph needs one GPU (--nproc 1): multi-rank dispatch sizes buffers on the host")
+    if args.cuda_graph_impl != "none" and (args.nproc != 1 or not torch.cuda.is_available()):
+        parser.error(f"--cuda-graph-impl {args.cuda_graph_impl} needs one GPU (--nproc 1): "
+                     "multi-rank dispatch sizes its buffers on the host")  # fmt: skip
+    if args.cuda_graph_impl in MEGATRON_GRAPH_IMPLS and (args.compile or args.local_only):
+        parser.error(f"--cuda-graph-impl {args.cuda_graph_impl} graphs the eager Turbo model: drop "
+                     "--compile / --local-only")  # fmt: skip
     if args.compile_mode in ("reduce-overhead", "max-autotune"):
         # CUDA-graph trees own their outputs' memory; Megatron's MoE metrics tracker keeps one across steps
         parser.error(f"--compile-mode {args.compile_mode} takes CUDA graphs per layer, which Megatron's MoE "
@@ -153,6 +185,16 @@ def transformer_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+def megatron_graph_kwargs(args: argparse.Namespace) -> dict:
+    """``TransformerConfig`` fields of megatron-core's own CUDA graphs for ``--cuda-graph-impl``."""
+    if args.cuda_graph_impl not in MEGATRON_GRAPH_IMPLS:
+        return {}
+    graph = dict(cuda_graph_impl=args.cuda_graph_impl, cuda_graph_warmup_steps=args.warmup)
+    if args.cuda_graph_impl == "local":
+        graph["cuda_graph_modules"] = list(args.cuda_graph_modules)
+    return graph
+
+
 def synthetic_batch(step: int, rank: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
     """Learnable token sequences: each token a fixed affine map of the one before, 10% noise."""
     size = SIZES[args.size]
@@ -176,7 +218,9 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
 
     kwargs = transformer_kwargs(args)
     if turbo:
-        patch_args = argparse.Namespace(**{**vars(args), **kwargs})
+        kwargs.update(megatron_graph_kwargs(args))
+        # "step" is this example's own capture, not a megatron-core setting
+        patch_args = argparse.Namespace(**{**vars(args), "cuda_graph_impl": "none", **kwargs})
         apply_primus_turbo_to_megatron(
             patch_args
         )  # before the config: it answers Megatron's TE gates for FP8
@@ -257,12 +301,55 @@ class GraphedStep:
         return self.loss
 
 
+def megatron_schedule(
+    model: torch.nn.Module, args: argparse.Namespace, position_ids: torch.Tensor, mask: torch.Tensor
+) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """Forward+backward of one step's micro-batches through megatron-core's ``forward_backward_func``,
+    which drives its own CUDA graphs: per-layer graphs recorded on the first step and created at its end
+    (``cuda_graph_impl='local'``), or the whole function captured after ``args.warmup`` steps
+    (``FullCudaGraphWrapper``, ``'full_iteration'``; it copies each batch into static buffers)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    schedule = get_forward_backward_func()
+    if args.cuda_graph_impl == "full_iteration":
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+        schedule = FullCudaGraphWrapper(schedule, cuda_graph_warmup_steps=args.warmup)
+    size = SIZES[args.size]
+
+    def forward_step(data_iterator, model):
+        tokens = next(data_iterator)["tokens"]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        output = model(inputs, position_ids.expand_as(inputs), mask, labels=labels)
+
+        def loss_func(per_token: torch.Tensor):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    def run(batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = schedule(
+            forward_step_func=forward_step,
+            data_iterator=iter([{"tokens": tokens} for tokens in batches]),
+            model=model,
+            num_microbatches=len(batches),
+            seq_length=size["seq"],
+            micro_batch_size=size["batch"],
+            forward_only=False,
+        )
+        return torch.stack([item["loss"] for item in losses]).mean()
+
+    return run
+
+
 def train(
-    model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device, graph: bool = False
+    model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device, impl: str = "none"
 ) -> list[StepLog]:
     """``args.steps`` Adam steps of ``args.micro_batches`` micro-batches each on the synthetic data of this
-    data-parallel rank; with ``graph`` the steps after ``args.warmup`` replay a CUDA graph of the
-    forward+backward."""
+    data-parallel rank. ``impl`` is the model's CUDA-graph implementation: "step" replays this example's
+    graph of the forward+backward after ``args.warmup`` steps; "local" and "full_iteration" run the
+    step through megatron-core's schedule, which captures and replays its own graphs."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -284,24 +371,30 @@ def train(
         return loss.detach()
 
     graphed: GraphedStep | None = None
+    scheduled = megatron_schedule(model, args, position_ids, mask) if impl in MEGATRON_GRAPH_IMPLS else None
     logs = []
     for step in range(args.steps):
         batches = [
             synthetic_batch(step * args.micro_batches + i, data_rank, args, device)
             for i in range(args.micro_batches)
         ]
-        if graph and step >= args.warmup and graphed is None:
+        if impl == "step" and step >= args.warmup and graphed is None:
             graphed = GraphedStep(forward_backward, batches[0], lambda: optimizer.zero_grad(set_to_none=True))
         run = graphed or forward_backward
         model.set_is_first_microbatch()  # as Megatron's schedule: FP8 weights are quantized again
         _sync(device)
         start = time.perf_counter()
-        loss = sum(run(tokens) for tokens in batches) / args.micro_batches
+        if scheduled is not None:
+            loss = scheduled(batches)
+        else:
+            loss = sum(run(tokens) for tokens in batches) / args.micro_batches
         _sync(device)
         elapsed = time.perf_counter() - start
         _reduce_grads(model)
         optimizer.step()
-        if graphed is None:
+        # a whole-step graph owns the gradients from its capture on: each replay rewrites them
+        graph_owns_grads = graphed is not None or (impl == "full_iteration" and step >= args.warmup)
+        if not graph_owns_grads:
             optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
@@ -367,7 +460,10 @@ def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
     models, results = {}, {}
     for name in runs:
         torch.manual_seed(args.seed)
-        model_parallel_cuda_manual_seed(args.seed)
+        # megatron-core's graphs need its graph-safe RNG tracker
+        model_parallel_cuda_manual_seed(
+            args.seed, use_cudagraphable_rng=args.cuda_graph_impl in MEGATRON_GRAPH_IMPLS
+        )
         models[name] = build_model(args, name != "local", device)
     if "local" in models and len(models) > 1:
         from primus_turbo.integrations.megatron.state_dict import local_to_te_state_dict
@@ -382,7 +478,8 @@ def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
             ep = args.nproc // args.tp
             print(f"[{name}] {args.size} model, {args.nproc} process(es), TP {args.tp}, EP {ep}")
             print(_describe(models[name]), flush=True)
-        results[name] = train(models[name], args, rank, device, graph=args.cuda_graph and name != "local")
+        impl = args.cuda_graph_impl if name != "local" else "none"
+        results[name] = train(models[name], args, rank, device, impl)
     if rank == 0:
         _report(results, args)
     dist.barrier()

@@ -20,6 +20,20 @@ from primus_turbo.pytorch.ops.moe import moe_permute, moe_unpermute
 __all__ = ["TurboFlexTokenDispatcher"]
 
 
+def _graph_captures_dispatch(config: Any) -> bool:
+    """Whether megatron-core's CUDA graphs (``config.cuda_graph_impl`` / ``cuda_graph_modules``) take
+    the token dispatch into a graph: a whole-iteration graph, a whole-layer one, or the 'moe' scope."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "full_iteration":
+        return True
+    if impl not in ("local", "transformer_engine"):
+        return False
+    # megatron-core < 0.19 names the field cuda_graph_scope
+    scope = getattr(config, "cuda_graph_modules", None) or getattr(config, "cuda_graph_scope", None) or []
+    modules = [getattr(m, "name", m) for m in ([scope] if isinstance(scope, str) else scope)]
+    return not modules or bool({"moe", "full", "full_iteration"} & set(modules))
+
+
 class TurboFlexTokenDispatcher(MoETokenDispatcher):
     """``MoEFlexTokenDispatcher(num_local_experts, local_expert_indices, config, pg_collection)``.
 
@@ -42,6 +56,17 @@ class TurboFlexTokenDispatcher(MoETokenDispatcher):
             raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
         self.num_local_experts, self.local_expert_indices = num_local_experts, local_expert_indices
         world = self.tp_size * self.ep_size
+        if world > 1 and not self.num_worst_tokens and _graph_captures_dispatch(config):
+            raise ValueError(
+                f"cuda_graph_impl={config.cuda_graph_impl!r} (whole iteration, whole layer or the 'moe' "
+                f"module) captures the token dispatch, which over "
+                f"{world} ranks sizes its receive buffers on the host; set --turbo-num-worst-tokens "
+                "(turbo_num_worst_tokens) for a sync-free dispatch, or capture only 'attn' / 'moe_router' / "
+                "'moe_preprocess'"
+            )
+        # state that crosses the end of a 'moe_preprocess' graph: returned by the graph and set again on
+        # each replay (megatron-core's contract for dispatchers)
+        self.cudagraph_attrs = ["_routing_map"]
         self._dispatcher = None
         if world > 1:
             self._dispatcher = DeepEPTokenDispatcher(

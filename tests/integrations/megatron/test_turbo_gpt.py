@@ -148,6 +148,51 @@ def test_turbo_matches_local_parallel(tp, ep, sequence_parallel, async_tp):
     spawn(2, _parallel_body, tp, ep, sequence_parallel, async_tp)
 
 
+@pytest.mark.parametrize(
+    ("impl", "modules", "captured"),
+    [
+        ("none", [], False),
+        ("full_iteration", [], True),
+        ("local", [], True),
+        ("local", ["moe"], True),
+        ("local", ["attn", "moe_router", "moe_preprocess"], False),
+        ("transformer_engine", ["attn"], False),
+    ],
+)
+def test_graph_scope_that_captures_the_dispatch(impl, modules, captured):
+    from types import SimpleNamespace
+
+    from primus_turbo.integrations.megatron.token_dispatcher import _graph_captures_dispatch
+
+    config = SimpleNamespace(cuda_graph_impl=impl, cuda_graph_modules=modules)
+    assert _graph_captures_dispatch(config) is captured
+
+
+def _graph_dispatch_body(rank: int, world: int) -> None:
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from primus_turbo.integrations.megatron.token_dispatcher import TurboFlexTokenDispatcher
+
+    init_megatron(ep=world, etp=1)
+    try:
+        config = tiny_config(**MOE_OVERRIDES, moe_grouped_gemm=True)
+        args = (2, [2 * rank, 2 * rank + 1], config, get_default_pg_collection())
+        config.cuda_graph_impl, config.cuda_graph_modules = "local", []
+        with pytest.raises(ValueError, match="turbo-num-worst-tokens"):
+            TurboFlexTokenDispatcher(*args)
+        config.cuda_graph_modules = ["attn", "moe_router", "moe_preprocess"]  # the dispatch stays eager
+        assert TurboFlexTokenDispatcher(*args).cudagraph_attrs == ["_routing_map"]
+    finally:
+        destroy_megatron()
+
+
+@pytest.mark.multigpu
+def test_graph_of_a_host_sized_dispatch_fails_on_every_rank():
+    """A CUDA-graph scope that takes in a dispatch whose buffers are sized on the host raises, naming the
+    setting that makes it sync-free, on each rank (no hang); scopes that leave the dispatch out build."""
+    spawn(2, _graph_dispatch_body)
+
+
 TE_LAYER_KEYS = {
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
@@ -271,10 +316,13 @@ def _train_moe_module():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--cuda-graph", "--nproc", "2"], "--cuda-graph needs one GPU"),
+        (["--cuda-graph", "--nproc", "2"], "--cuda-graph-impl step needs one GPU"),
         (["--compile", "--compile-mode", "reduce-overhead"], "use --compile --cuda-graph"),
         (["--micro-batches", "0"], "at least 1"),
         (["--cuda-graph", "--micro-batches", "2"], "one micro-batch a step"),
+        (["--cuda-graph", "--cuda-graph-impl", "local"], "--cuda-graph is --cuda-graph-impl step"),
+        (["--cuda-graph-modules", "attn"], "--cuda-graph-impl local"),
+        (["--cuda-graph-impl", "local", "--nproc", "2"], "--cuda-graph-impl local needs one GPU"),
     ],
 )
 def test_example_rejects_unsupported_graph_options(argv, message, capsys):
@@ -304,6 +352,22 @@ def test_example_accumulates_micro_batches():
 def test_example_cuda_graph_matches_eager():
     """The replayed CUDA graph of the step trains exactly like the eager step (same kernels, same data)."""
     assert _example_losses("--cuda-graph") == pytest.approx(_example_losses(), rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "graph",
+    [
+        ["--cuda-graph-impl", "local"],
+        ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"],
+        ["--cuda-graph-impl", "full_iteration"],
+    ],
+    ids=["local-layer", "local-attn-router-preprocess", "full-iteration"],
+)
+def test_example_megatron_cuda_graphs_match_eager(graph):
+    """megatron-core's own CUDA graphs of the Turbo model (per layer, partial layers, the whole
+    forward_backward_func) train like the eager step."""
+    assert _example_losses(*graph) == pytest.approx(_example_losses(), rel=1e-3)
 
 
 def test_example_compiled_model_trains_like_eager():
