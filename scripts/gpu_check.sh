@@ -8,6 +8,10 @@
 #   SKIP_OVERHEAD=1     skip the host-time-per-call benchmark
 #   HOST=1              host microseconds per call of every public op and Megatron Turbo module against its
 #                       PyTorch peer (bench_host_overhead.py; HOST_ONLY, op-name filter)
+#   LAUNCHER=cached     launch @cached_launch kernels from their per-key cache in tests and benchmarks
+#                       (PRIMUS_TURBO_TRITON_LAUNCHER; the tests also check every cached launch against Triton)
+#   LAUNCH=1            host us per launch: Triton's launcher, @cached_launch and the prebuilt compiled handle
+#                       (scripts/profile_triton_launch.py), then bench_host_overhead under each launcher
 #   TEST_PATHS="..."    test paths (default tests), to split the suite over several device calls
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
@@ -87,11 +91,12 @@ if [ "${MEGATRON:-0}" = 1 ] || [ "${E2E:-0}" = 1 ]; then
 fi
 
 status=0
+[ -n "${LAUNCHER:-}" ] && export PRIMUS_TURBO_TRITON_LAUNCHER=$LAUNCHER
 make env 2>&1 | tail -n 40 | tee "$OUT/build.log" || status=1
 .venv/bin/python -c "import torch, primus_turbo._C; print('C++ extension loaded')" 2>&1 | tee -a "$OUT/build.log"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  export PRIMUS_TURBO_TRITON_AUTOTUNE=0
+  export PRIMUS_TURBO_TRITON_AUTOTUNE=0 PRIMUS_TURBO_TRITON_LAUNCH_CHECK=1
   timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest ${TEST_PATHS:-tests} -n 8 -v --tb=short -p no:cacheprovider \
     -p no:benchmark --durations=15 > "$OUT/tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -n 40
@@ -99,7 +104,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${DET_TIMEOUT:-120}" .venv/bin/python -m pytest ${TEST_PATHS:-tests} -n 4 -q -p no:cacheprovider \
     --deterministic-only > "$OUT/tests_deterministic.log" 2>&1 || status=1
   tail -n 15 "$OUT/tests_deterministic.log"
-  unset PRIMUS_TURBO_TRITON_AUTOTUNE
+  unset PRIMUS_TURBO_TRITON_AUTOTUNE PRIMUS_TURBO_TRITON_LAUNCH_CHECK
 fi
 
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
@@ -110,6 +115,16 @@ if [ "${HOST:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_host_overhead \
     ${HOST_ONLY:+--only "$HOST_ONLY"} -o "$OUT/host_overhead.csv" 2>&1 | grep -v Warning \
     | tee "$OUT/bench_host_overhead.log" || status=1
+fi
+if [ "${LAUNCH:-0}" = 1 ]; then
+  PYTHONPATH=. timeout 300 .venv/bin/python scripts/profile_triton_launch.py --calls 3000 2>&1 \
+    | tee "$OUT/triton_launch.log" || status=1
+  for launcher in triton cached; do
+    PRIMUS_TURBO_TRITON_LAUNCHER=$launcher timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python \
+      -m benchmark.ops.training.bench_host_overhead ${HOST_ONLY:+--only "$HOST_ONLY"} \
+      -o "$OUT/host_overhead_$launcher.csv" 2>&1 | grep -v Warning | tee "$OUT/bench_host_overhead_$launcher.log" \
+      || status=1
+  done
 fi
 if [ "${FP8:-0}" = 1 ]; then
   for granularity in tensorwise rowwise blockwise mxfp8; do

@@ -2,7 +2,8 @@
 
 Times, for one tiny elementwise kernel with few and with many arguments: a PyTorch op of the same work
 (the peer), ``kernel[grid](...)`` (``JITFunction.run``: argument binding, specialization key, cache
-lookup, launch), and the ``CompiledKernel`` that launch returns, called through ``compiled[grid](...)``
+lookup, launch), the same kernel under ``@cached_launch`` with ``PRIMUS_TURBO_TRITON_LAUNCHER=cached``, and
+the ``CompiledKernel`` that launch returns, called through ``compiled[grid](...)``
 and through its ``run`` entry with the stream and metadata prebuilt (what a launcher of our own that
 caches per specialization would do). Each variant's output is checked against the peer first. GPU only.
 
@@ -16,8 +17,11 @@ caches per specialization would do). Each variant's output is checked against th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import os
 import pstats
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -25,6 +29,8 @@ import triton.language as tl
 from tabulate import tabulate
 
 from benchmark.ops.training.bench_host_overhead import host_us as bench_host_us
+from primus_turbo.common.constants import ENV_TRITON_LAUNCHER
+from primus_turbo.triton.utils.launch import cached_launch
 
 
 @triton.jit
@@ -62,6 +68,20 @@ def _scale_kernel_wide(
     tl.store(y_ptr + offs, value, mask=mask)
 
 
+@contextlib.contextmanager
+def _launcher(mode: str) -> Iterator[None]:
+    """``PRIMUS_TURBO_TRITON_LAUNCHER=mode`` inside the block."""
+    saved = os.environ.get(ENV_TRITON_LAUNCHER)
+    os.environ[ENV_TRITON_LAUNCHER] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ENV_TRITON_LAUNCHER]
+        else:
+            os.environ[ENV_TRITON_LAUNCHER] = saved
+
+
 def host_us(fn, calls: int) -> float:
     return bench_host_us(fn, calls, torch.device("cuda"), warmup=100)
 
@@ -69,6 +89,14 @@ def host_us(fn, calls: int) -> float:
 def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list[list]:
     """Host us of ``kernel`` launched through Triton's launcher, the compiled handle and its ``run``."""
     rows = [[f"kernel[grid](...) {label}", host_us(lambda: kernel[grid](*launch_args, **constexprs), calls)]]
+    cached = cached_launch(kernel)
+    with _launcher("cached"):
+        y.zero_()
+        cached[grid](*launch_args, **constexprs)
+        torch.cuda.synchronize()
+        ok = torch.equal(y, x * 2.0)
+        cached_us = host_us(lambda: cached[grid](*launch_args, **constexprs), calls)
+    rows.append([f"@cached_launch {label}", cached_us if ok else float("nan")])
     compiled = kernel[grid](*launch_args, **constexprs)
     runner = None
     for candidate in (launch_args, (*launch_args, *constexprs.values())):
@@ -107,7 +135,7 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
     """cProfile of ``calls`` forward and forward + backward calls of each named host-bench row."""
     from benchmark.ops.training.bench_host_overhead import _backward_step, op_cases
 
-    device = torch.device("cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for case in op_cases(device):
         if not any(name == case.name.split()[0] for name in names):
             continue
@@ -117,13 +145,14 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
         for label, fn in steps:
             grad = label != "forward"
             with torch.set_grad_enabled(grad):
-                host_us(fn, 100)
+                bench_host_us(fn, 100, device)
                 profiler = cProfile.Profile()
                 profiler.enable()
                 for _ in range(calls):
                     fn()
                 profiler.disable()
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             print(f"== {case.name} {label}: {calls} calls")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 

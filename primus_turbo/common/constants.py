@@ -10,6 +10,8 @@ __all__ = [
     "ENV_LOG_LEVEL",
     "ENV_MOE_DISPATCH_COMBINE_BACKEND",
     "ENV_TRITON_AUTOTUNE",
+    "ENV_TRITON_LAUNCHER",
+    "ENV_TRITON_LAUNCH_CHECK",
 ]
 
 ENV_LOG_LEVEL = "PRIMUS_TURBO_LOG_LEVEL"
@@ -23,3 +25,8 @@ ENV_ASYNC_TP_BACKEND = "PRIMUS_TURBO_ASYNC_TP_BACKEND"
 ENV_DEBUG_CHECKS = "PRIMUS_TURBO_DEBUG_CHECKS"
 # "0" skips per-shape Triton autotuning: kernels launch one config picked by a heuristic.
 ENV_TRITON_AUTOTUNE = "PRIMUS_TURBO_TRITON_AUTOTUNE"
+# "cached" launches @cached_launch kernels from a per-key cache of compiled kernels; "triton" (default)
+# through Triton's own launcher.
+ENV_TRITON_LAUNCHER = "PRIMUS_TURBO_TRITON_LAUNCHER"
+# "1" checks every cached launch against the kernel Triton would have picked (slow; for the GPU suite).
+ENV_TRITON_LAUNCH_CHECK = "PRIMUS_TURBO_TRITON_LAUNCH_CHECK"

@@ -27,6 +27,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates, interpreter_active
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = ["GELU_TANH", "SILU", "gated_act_bwd_triton", "gated_act_fp8_triton", "gated_act_fwd_triton"]
 
@@ -97,6 +98,7 @@ def _nonfinite_amax(v, AXIS: tl.constexpr):
     return tl.max(tl.where(nonfinite, 0.0, mag), axis=AXIS), tl.sum(nonfinite.to(tl.int32), axis=AXIS)
 
 
+@cached_launch
 @triton.jit
 def _gated_fwd_kernel(
     x_ptr,
@@ -175,6 +177,7 @@ def _gated_fwd_kernel(
             tl.store(qs_ptr + s_offs, stored, mask=s_mask)
 
 
+@cached_launch
 @triton.jit
 def _gated_fwd_flat_kernel(
     x_ptr,
@@ -240,6 +243,7 @@ def gated_act_fwd_triton(
     return out
 
 
+@cached_launch
 @triton.jit
 def _gated_emit_kernel(
     x_ptr,
@@ -315,6 +319,7 @@ def _gated_emit_kernel(
         )
 
 
+@cached_launch
 @triton.jit
 def _gated_bwd_kernel(
     dy_ptr,

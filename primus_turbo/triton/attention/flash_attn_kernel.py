@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.utils.device_info import interpreter_active, num_sms
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = [
     "FP8_BLOCK",
@@ -364,6 +365,7 @@ def _fwd_keys(
     return acc, m_i, l_i, acc_unit
 
 
+@cached_launch
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr,
@@ -533,6 +535,7 @@ def _dkdv_queries(
     return dk, dk2, dv
 
 
+@cached_launch
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr,
@@ -780,6 +783,7 @@ def _dq_keys(
     return dq, dq2
 
 
+@cached_launch
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr,

@@ -13,10 +13,12 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.attention.flash_attn_kernel import FP8_BLOCK
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = ["quantize_attention_blocks_triton"]
 
 
+@cached_launch
 @triton.jit
 def _quantize_blocks_kernel(
     x_ptr,

@@ -43,6 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import is_sm90, num_sms
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = ["BlockSm90Config", "gemm_fp8_block_sm90", "sm90_block_kernel_usable"]
 
@@ -378,6 +379,7 @@ def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
+@cached_launch
 @gluon.jit
 def _gemm_fp8_block_sm90_kernel(
     a_desc,

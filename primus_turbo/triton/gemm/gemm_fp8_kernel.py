@@ -29,6 +29,7 @@ from primus_turbo.triton.utils.device_info import (
     num_sms,
     supports_tma,
 )
+from primus_turbo.triton.utils.launch import cached_launch
 
 try:  # Gluon (Triton >= 3.6 on CUDA): the Hopper kernel for 1 x 128 / 128 x 128 block scaling
     from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import gemm_fp8_block_sm90, sm90_block_kernel_usable
@@ -155,6 +156,7 @@ def _load_scales(ptr, rows, row_ok, kb, stride_r, stride_k, MODE: tl.constexpr, 
     post_hook=_keep_output.restore,
     do_bench=tuning_bench,
 )
+@cached_launch
 @triton.jit(do_not_specialize=["M"])
 def _gemm_fp8_kernel(
     a_desc,

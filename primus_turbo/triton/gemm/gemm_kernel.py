@@ -25,6 +25,7 @@ from primus_turbo.triton.utils.device_info import (
     num_sms,
     supports_tma,
 )
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = ["clear_config_cache", "gemm_triton", "kernel_configs", "tma_compatible"]
 
@@ -364,6 +365,7 @@ def _owner_epilogue(
     post_hook=_keep_tma_out.restore,
     do_bench=tuning_bench,
 )
+@cached_launch
 @triton.jit(do_not_specialize=["M", "N", "K"])
 def _gemm_tma_persistent_kernel(
     a_desc,
@@ -490,6 +492,7 @@ def _gemm_tma_persistent_kernel(
     post_hook=_keep_pointer_out.restore,
     do_bench=tuning_bench,
 )
+@cached_launch
 @triton.jit(do_not_specialize=["M"])
 def _gemm_pointer_kernel(
     a_ptr,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = [
     "quantize_fp8_group_blocks_triton",
@@ -99,6 +100,7 @@ def _cast_rows(
     _store_token_major(q_ptr, q, rows, cols, col_ok, start, end, stride_q, PARTIAL)
 
 
+@cached_launch
 @triton.jit
 def _group_columns_kernel(
     x_ptr,
@@ -149,6 +151,7 @@ def _group_columns_kernel(
             )  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _group_blocks_kernel(
     x_ptr,

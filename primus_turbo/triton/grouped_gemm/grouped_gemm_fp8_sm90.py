@@ -54,6 +54,7 @@ from primus_turbo.triton.gemm.gemm_fp8_block_sm90 import (
 )
 from primus_turbo.triton.gemm.gemm_kernel import _tile_coords
 from primus_turbo.triton.utils.device_info import is_sm90, num_sms
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = [
     "SCALE_BLOCK",
@@ -255,6 +256,7 @@ def _grouped_producer(
         tiles_before += group_tiles
 
 
+@cached_launch
 @gluon.jit
 def _grouped_gemm_fp8_sm90_kernel(
     a_desc,
@@ -574,6 +576,7 @@ def _variable_k_producer(
                 )  # fmt: skip
 
 
+@cached_launch
 @gluon.jit
 def _grouped_variable_k_sm90_kernel(
     a_desc,
@@ -697,6 +700,7 @@ def _block_wgrad_consumer(
     tma.store_wait(pendings=0)
 
 
+@cached_launch
 @gluon.jit
 def _grouped_block_wgrad_sm90_kernel(
     a_desc,

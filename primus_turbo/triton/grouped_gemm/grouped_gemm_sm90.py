@@ -46,6 +46,7 @@ from primus_turbo.triton.grouped_gemm.grouped_gemm_fp8_sm90 import (
     _variable_k_tile,
 )
 from primus_turbo.triton.utils.device_info import is_sm90, num_sms
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = [
     "Sm90Tiles",
@@ -213,6 +214,7 @@ def _gemm_producer(
         tiles_before += group_tiles
 
 
+@cached_launch
 @gluon.jit
 def _grouped_gemm_sm90_kernel(
     a_desc,
@@ -410,6 +412,7 @@ def _variable_k_consumer(
     tma.store_wait(pendings=0)
 
 
+@cached_launch
 @gluon.jit
 def _grouped_variable_k_sm90_kernel(
     a_desc,

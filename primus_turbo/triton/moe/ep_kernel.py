@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.utils.launch import cached_launch
+
 __all__ = [
     "PeerLayout",
     "combine_push_triton",
@@ -107,6 +109,7 @@ def _copy_words(dst_ptr, src_ptr, words, BLOCK: tl.constexpr):
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < words), mask=offs < words)
 
 
+@cached_launch
 @triton.jit
 def _dispatch_push_kernel(
     x_ptr, idx_ptr, w_ptr, s_ptr, slot_ptr, sent_ptr, table_ptr, me, T, local_experts, cap, row_words,
@@ -143,6 +146,7 @@ def _dispatch_push_kernel(
                     tl.store(base + s_off + row * S + cols, scales.to(tl.int32, bitcast=True), mask=cols < S)
 
 
+@cached_launch
 @triton.jit
 def _dispatch_receive_kernel(
     buf_ptr, x_ptr, idx_ptr, w_ptr, s_ptr, src_rank_ptr, src_pos_ptr, R, cap, row_words,
@@ -183,6 +187,7 @@ def _dispatch_receive_kernel(
     tl.store(src_pos_ptr + r, tl.where(valid, position, -1))
 
 
+@cached_launch
 @triton.jit
 def _combine_push_kernel(
     y_ptr, w_ptr, src_rank_ptr, src_pos_ptr, table_ptr, me, cap, row_words, rows_off, w_off, K,
@@ -203,6 +208,7 @@ def _combine_push_kernel(
             tl.store(base + w_off + row * K + ks, weights.to(tl.int32, bitcast=True), mask=ks < K)
 
 
+@cached_launch
 @triton.jit
 def _combine_reduce_kernel(
     buf_ptr, wbuf_ptr, slot_ptr, out_ptr, w_out_ptr, cap, H, rows_off, w_off, K,

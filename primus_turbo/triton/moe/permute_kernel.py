@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.utils.launch import cached_launch
+
 __all__ = [
     "ScatterLaunch",
     "expert_bounds_triton",
@@ -46,6 +48,7 @@ _CHECK_ROWS = 32
 _NO_CAP = 2**31 - 1
 
 
+@cached_launch
 @triton.jit
 def _block_counts_kernel(map_ptr, counts_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -56,6 +59,7 @@ def _block_counts_kernel(map_ptr, counts_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK
     tl.store(counts_ptr + tl.program_id(0) * E + experts, counts, mask=experts < E)
 
 
+@cached_launch
 @triton.jit
 def _expert_starts_kernel(
     counts_ptr,
@@ -98,6 +102,7 @@ def _expert_starts_kernel(
     tl.store(total_ptr, carry)
 
 
+@cached_launch
 @triton.jit
 def _route_rows_kernel(map_ptr, base_ptr, rows_ptr, T, E, cap, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -111,6 +116,7 @@ def _route_rows_kernel(map_ptr, base_ptr, rows_ptr, T, E, cap, BLOCK_T: tl.const
     tl.store(rows_ptr + offsets, tl.where((routed != 0) & (dest < cap), dest, -1), mask=ok)
 
 
+@cached_launch
 @triton.jit
 def _expert_bounds_kernel(map_ptr, start_ptr, count_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -202,6 +208,7 @@ def _fill_gaps(
                 tl.store(rw_ptr + rows, tl.zeros([CHECK_ROWS], dtype=tl.float32), mask=empty)
 
 
+@cached_launch
 @triton.jit
 def _scatter_rows_kernel(
     x_ptr, map_ptr, w_ptr, start_ptr, count_ptr, out_ptr, rw_ptr, T, E, H, num_rows, stride_x, stride_out,
@@ -226,6 +233,7 @@ def _scatter_rows_kernel(
                    HAS_W, E_P2, BLOCK_H, CHECK_ROWS, ALL_COLS)  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _merge_rows_kernel(
     y_ptr,
@@ -259,6 +267,7 @@ def _merge_rows_kernel(
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@cached_launch
 @triton.jit
 def _route_dots_kernel(
     g_ptr, y_ptr, map_ptr, out_ptr, E, H, stride_g, stride_y, E_P2: tl.constexpr, BLOCK_H: tl.constexpr

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.utils.launch import cached_launch
+
 __all__ = ["router_bwd_triton", "router_fwd_triton"]
 
 _EPS = tl.constexpr(1e-20)
@@ -76,6 +78,7 @@ def _tile(T, E, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     return offs, (rows < T)[:, None] & col_ok[None, :], col_ok
 
 
+@cached_launch
 @triton.jit
 def _router_fwd_kernel(
     logits_ptr,
@@ -117,6 +120,7 @@ def _router_fwd_kernel(
     tl.store(aux_ptr + offs, aux, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _router_bwd_kernel(
     logits_ptr,

@@ -29,6 +29,7 @@ from primus_turbo.triton.quantization.fp8_emit import (
 )
 from primus_turbo.triton.quantization.fp8_quant_kernel import _group_scale, _nan_max, _saturate
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates, max_shared_memory, num_sms
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = ["rmsnorm_bwd_triton", "rmsnorm_fp8_triton", "rmsnorm_fwd_triton", "rmsnorm_rstd_triton"]
 
@@ -63,6 +64,7 @@ def _launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
     return block_h, rows_per_program, warps
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_fwd_kernel(
     x_ptr,
@@ -139,6 +141,7 @@ def _rmsnorm_fwd_kernel(
             tl.store(qs_ptr + s_offs, stored, mask=s_mask)
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_bwd_kernel(
     dy_ptr,
@@ -193,6 +196,7 @@ def _rmsnorm_bwd_kernel(
     tl.store(dgamma_partial_ptr + pid * BLOCK_H + cols, dgamma, mask=col_ok)
 
 
+@cached_launch
 @triton.jit
 def _dgamma_finish_kernel(
     partial_ptr, dgamma_ptr, programs, H, stride, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr
@@ -206,6 +210,7 @@ def _dgamma_finish_kernel(
     tl.store(dgamma_ptr + cols, tl.sum(partial, axis=0).to(dgamma_ptr.dtype.element_ty), mask=cols < H)
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_stats_kernel(
     x_ptr,
@@ -258,6 +263,7 @@ def _rmsnorm_stats_kernel(
         tl.atomic_max(amax_ptr, amax_bits(row_max, 0))
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_emit_kernel(
     x_ptr,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.quantization.fp8_quant_kernel import e8m0_scale
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = ["quantize_fp4_rows_triton"]
 
@@ -41,6 +42,7 @@ def _e2m1_code(v):
     return tl.where(v < 0, code + 8, code)
 
 
+@cached_launch
 @triton.jit
 def _quantize_fp4_kernel(
     x_ptr,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
+from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = [
     "e8m0_scale",
@@ -66,6 +67,7 @@ def _saturate(y, FP8_MAX: tl.constexpr, CAST_SATURATES: tl.constexpr = False):
     return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
 
 
+@cached_launch
 @triton.jit
 def _quantize_groups_kernel(
     x_ptr,
@@ -203,6 +205,7 @@ def _quantize_along(
     return q
 
 
+@cached_launch
 @triton.jit
 def _quantize_dual_blocks_kernel(
     x_ptr,
@@ -291,6 +294,7 @@ def _quantize_dual_blocks_kernel(
     )
 
 
+@cached_launch
 @triton.jit
 def _tensorwise_cast_kernel(
     x_ptr,

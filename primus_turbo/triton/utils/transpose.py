@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from primus_turbo.triton.utils.launch import cached_launch
+
 __all__ = ["transpose_triton"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _TILE = 128
 
 
+@cached_launch
 @triton.jit
 def _transpose_kernel(x_ptr, y_ptr, rows, cols, stride_xb, stride_x, stride_yb, TILE: tl.constexpr):
     r = (tl.program_id(0) * TILE + tl.arange(0, TILE)).to(tl.int64)

@@ -37,14 +37,14 @@ def _expert_layout_torch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = routing_map.sum(dim=0)
     padded = counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
-    first_row = padded.cumsum(0) - padded
-    rank = routing_map.to(torch.int64).cumsum(0) - 1
-    dest = torch.where(routing_map, first_row[None, :] + rank, -1)
+    ends = padded.cumsum(0)
+    first_row = ends - padded
+    rank = routing_map.cumsum(0, dtype=torch.int32)  # routes of each expert up to this token, inclusive
+    dest = torch.where(routing_map, rank + (first_row - 1).to(torch.int32), -1)
     if num_rows > 0:  # routes past the fixed row count are dropped and no longer counted
-        dest = torch.where(dest < num_rows, dest, -1)
-        counts = (dest >= 0).sum(dim=0)
-    expert_rows = torch.cat([first_row, padded.sum().reshape(1)]).to(torch.int32)
-    return dest.to(torch.int32), counts, expert_rows
+        dest.masked_fill_(dest >= num_rows, -1)
+        counts = torch.minimum((num_rows - first_row).clamp_(min=0), counts)
+    return dest, counts, torch.cat([first_row, ends[-1:]]).to(torch.int32)
 
 
 @custom_op("primus_turbo::moe_expert_layout", mutates_args=())
@@ -86,15 +86,27 @@ def _moe_expert_bounds_fake(row_id_map):
     return row_id_map.new_empty((experts,)), row_id_map.new_empty((experts,))
 
 
-def _source_rows(row_id_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source token, source expert) int64 [rows] of each row, -1 where no route names it."""
-    tokens, experts = row_id_map.shape
-    slot = torch.where(row_id_map >= 0, row_id_map.to(torch.int64), rows).flatten()
-    pairs = torch.arange(tokens * experts, device=row_id_map.device)
-    source = torch.full((rows + 1,), -1, dtype=torch.int64, device=row_id_map.device)
-    source.scatter_(0, slot, pairs)[rows] = -1
-    source = source[:rows]
-    return torch.where(source >= 0, source // experts, -1), torch.where(source >= 0, source % experts, -1)
+_last_routes: list = [None, None, None]  # (row_id_map, its version, its routes)
+
+
+def _routes(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, expert, row) int64 of every routed pair, token-major: the CPU references' index lists (the
+    device launchers never sync on a route count). The last map's lists are kept: unpermute's forward and
+    its backward's two ops take the same map."""
+    cached, version, routes = _last_routes
+    fresh = not row_id_map.is_inference()
+    if fresh and cached is row_id_map and version == row_id_map._version:
+        return routes
+    token, expert = (row_id_map >= 0).nonzero(as_tuple=True)
+    routes = token, expert, row_id_map[token, expert].long()
+    if fresh:
+        _last_routes[:] = row_id_map, row_id_map._version, routes
+    return routes
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as uint8 where its dtype is a 1-byte float (FP8), whose CPU index_put is missing."""
+    return x.view(torch.uint8) if x.is_floating_point() and x.element_size() == 1 else x
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor, fill: float = 0) -> torch.Tensor:
@@ -122,15 +134,19 @@ def moe_scatter_rows_impl(
             x.contiguous(), row_id_map.contiguous(), start.contiguous(), count.contiguous(),
             weights.contiguous() if weights is not None else None, num_rows, scale_rows,
         )  # fmt: skip
-    src_token, src_expert = _source_rows(row_id_map, num_rows)
-    rows = take_rows(x, src_token)
+    token, expert, row = _routes(row_id_map)
+    out = x.new_zeros((num_rows, x.shape[1]))
+    rows = x[token]
     if weights is None:
-        return rows, torch.empty(0, dtype=torch.float32, device=x.device)
-    route = torch.where(src_token >= 0, src_token * row_id_map.shape[1] + src_expert, 0)
-    row_weights = torch.where(src_token >= 0, weights.float().flatten()[route], 0.0)
+        _as_bytes(out)[row] = _as_bytes(rows)
+        return out, torch.empty(0, dtype=torch.float32, device=x.device)
+    route_weights = weights[token, expert].float()
+    row_weights = torch.zeros(num_rows, dtype=torch.float32, device=x.device)
+    row_weights[row] = route_weights
     if scale_rows:
-        rows = (rows.float() * row_weights[:, None]).to(x.dtype)
-    return rows, row_weights
+        rows = (rows.float() * route_weights[:, None]).to(x.dtype)
+    _as_bytes(out)[row] = _as_bytes(rows)
+    return out, row_weights
 
 
 @moe_scatter_rows_impl.register_fake
@@ -147,10 +163,12 @@ def moe_merge_rows_impl(
     if triton_runs_on(y.device):
         weights = weights.contiguous() if weights is not None else None
         return merge_rows_triton(y.contiguous(), row_id_map.contiguous(), weights)
-    routed = row_id_map >= 0
-    rows = take_rows(y, row_id_map).float()  # [T, E, H]
-    scale = routed.float() if weights is None else torch.where(routed, weights.float(), 0.0)
-    return (rows * scale[..., None]).sum(dim=1).to(y.dtype)
+    token, expert, row = _routes(row_id_map)
+    rows = y[row].float()
+    if weights is not None:
+        rows = rows * weights[token, expert].float()[:, None]
+    out = torch.zeros((row_id_map.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+    return out.index_add_(0, token, rows).to(y.dtype)
 
 
 @moe_merge_rows_impl.register_fake
@@ -163,8 +181,10 @@ def moe_route_dots_impl(g: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tens
     """fp32 [T, E]: ``<g[t], y[row_id_map[t, e]]>`` for routed pairs, 0 elsewhere (merge-weight gradient)."""
     if triton_runs_on(g.device):
         return route_dots_triton(g.contiguous(), y.contiguous(), row_id_map.contiguous())
-    rows = take_rows(y, row_id_map).float()
-    return torch.where(row_id_map >= 0, (rows * g.float()[:, None, :]).sum(-1), 0.0)
+    token, expert, row = _routes(row_id_map)
+    out = torch.zeros(row_id_map.shape, dtype=torch.float32, device=g.device)
+    out[token, expert] = (y[row].float() * g[token].float()).sum(-1)
+    return out
 
 
 @moe_route_dots_impl.register_fake
