@@ -108,7 +108,7 @@ def _arg_key(value: Any) -> Any:
 def _make_binder(fn: Any) -> Callable[..., tuple]:
     """A function of the kernel's own signature returning (every parameter's value in order, the key of
     the values, the launch options): one generated expression per parameter, no per-call loop."""
-    namespace: dict[str, Any] = {"_pt_key": _arg_key, "_pt_tensor": _Tensor}
+    namespace: dict[str, Any] = {"_pt_key": _arg_key, "_pt_tensor": _Tensor, "_pt_int": int}
     params, values, keys = [], [], []
     for i, (param, kp) in enumerate(zip(fn.signature.parameters.values(), fn.params, strict=True)):
         name = param.name
@@ -124,7 +124,13 @@ def _make_binder(fn: Any) -> Callable[..., tuple]:
             keys.append(f"_pt_key({name})")
         else:
             tensor_key = f"({name}.dtype, not {name}.data_ptr() & 15)"
-            keys.append(f"({tensor_key} if type({name}) is _pt_tensor else _pt_key({name}))")
+            int_key = (
+                f"({name} == 1, not {name} % 16, {_I32_MIN} <= {name} <= {_I32_MAX}, {name} < {_U64_MIN})"
+            )
+            keys.append(
+                f"({tensor_key} if type({name}) is _pt_tensor else "
+                f"{int_key} if type({name}) is _pt_int else _pt_key({name}))"
+            )
     source = (
         f"def bind({', '.join([*params, '**_pt_options'])}):\n"
         f"    return ({', '.join(values)},), ({', '.join(keys)},), _pt_options\n"
