@@ -8,6 +8,8 @@ scale, casts saturate.
 
 - ``quantize_fp8_group_columns_triton``: one scale per (group, column) over the group's tokens (the
   row-wise recipe). One program per (group, column block) reads the group's rows twice: amax, then cast.
+- ``group_block_layout_triton``: where each group's scale blocks start and end, in one program (the
+  same arithmetic in PyTorch is nine small kernels).
 - ``quantize_fp8_group_blocks_triton``: one scale per (block, column) (the block recipe), the blocks
   being the stretches of B tokens aligned to multiples of B that a group's tokens touch. One program per
   (scale row, column block) reads its block once.
@@ -28,6 +30,7 @@ from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 from primus_turbo.triton.utils.launch import cached_launch
 
 __all__ = [
+    "group_block_layout_triton",
     "quantize_fp8_group_blocks_triton",
     "quantize_fp8_group_columns_triton",
     "token_major_empty",
@@ -277,3 +280,31 @@ def quantize_fp8_group_blocks_triton(
         num_warps=warps,
     )
     return q, scale
+
+
+@cached_launch
+@triton.jit
+def _group_block_layout_kernel(
+    offs_ptr, ends_ptr, base_ptr, groups, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr
+):
+    g = tl.arange(0, BLOCK_G)
+    ok = g < groups
+    start = tl.load(offs_ptr + g, mask=ok, other=0)
+    end = tl.load(offs_ptr + g + 1, mask=ok, other=0)
+    blocks = tl.where(end > start, (end + BLOCK - 1) // BLOCK - start // BLOCK, 0)
+    ends = tl.cumsum(blocks, axis=0)
+    tl.store(ends_ptr + g, ends, mask=ok)
+    tl.store(base_ptr + g, ends - blocks, mask=ok)
+
+
+def group_block_layout_triton(group_offs: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ends, base)`` int64 [G]: the running total of each group's scale blocks (the stretches of
+    ``block`` tokens, aligned to multiples of ``block``, that its tokens touch; none for an empty group)
+    and its first scale row, from the int64 offsets [G + 1]."""
+    groups = group_offs.numel() - 1
+    ends = torch.empty(groups, dtype=torch.int64, device=group_offs.device)
+    base = torch.empty_like(ends)
+    if groups > 0:
+        block_g = max(triton.next_power_of_2(groups), 16)
+        _group_block_layout_kernel[(1,)](group_offs, ends, base, groups, BLOCK=block, BLOCK_G=block_g)
+    return ends, base

@@ -10,6 +10,7 @@ import torch
 from primus_turbo.pytorch.core.backend import BackendType, GlobalBackendManager, PrecisionType
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from primus_turbo.pytorch.kernels.grouped_gemm import grouped_gemm_fp8_impl as impl
+from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import compute_group_offs
 from primus_turbo.pytorch.ops import grouped_gemm, grouped_gemm_fp8, quantize_fp8_experts
 from tests.pytorch.ops.test_grouped_gemm import _group_lens, _operands, _reference
 from tests.pytorch.test_utils import DEVICES, compute_snr
@@ -514,3 +515,23 @@ def test_group_quantizer_launch_overrides_give_the_same_bits(quantize, launch):
         ]
     (q0, s0), (q1, s1) = outputs
     assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
+
+
+def test_two_gemms_on_one_routing_share_the_block_layout(monkeypatch):
+    """fc1's and fc2's blockwise backwards (two wgrad quantizers and the wgrad GEMM each) make the offsets
+    and the scale-block layout of their shared group counts once."""
+    made = []
+    layout = impl._block_layout
+    monkeypatch.setattr(impl, "_block_layout", lambda offs, block: made.append(block) or layout(offs, block))
+    config = Float8QuantConfig(granularity=G.BLOCKWISE, block_size=BLOCK)
+    lens = _group_lens("skewed", 4, BLOCK + 5).to(DEVICE)
+    x = torch.randn(int(lens.sum()), 2 * BLOCK, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w1 = torch.randn(4, 2 * BLOCK, 2 * BLOCK, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(4, 2 * BLOCK, 2 * BLOCK, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    hidden = grouped_gemm_fp8(x, w1, lens, trans_b=True, config=config)
+    grouped_gemm_fp8(hidden, w2, lens, trans_b=True, config=config).sum().backward()
+    assert made == [BLOCK]
+    lens.add_(0)  # new counts (a new version): a new layout
+    grouped_gemm_fp8(x, w1, lens, trans_b=True, config=config).sum().backward()
+    assert made == [BLOCK, BLOCK]
+    assert compute_group_offs(lens) is compute_group_offs(lens)

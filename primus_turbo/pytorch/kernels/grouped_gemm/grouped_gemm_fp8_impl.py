@@ -44,11 +44,16 @@ from primus_turbo.pytorch.core.backend import (
     KernelBackend,
     PrecisionType,
 )
-from primus_turbo.pytorch.core.custom_op import custom_op
+from primus_turbo.pytorch.core.custom_op import custom_op, direct_call_allowed
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
-from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import balanced_group_offs, token_shape_class
+from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import (
+    balanced_group_offs,
+    derived_from,
+    token_shape_class,
+)
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import expand_scale, tensorwise_multipliers
 from primus_turbo.triton.grouped_gemm import (
+    group_block_layout_triton,
     grouped_fp8_scale_block,
     grouped_fp8_sm90_takes,
     grouped_gemm_fp8_triton,
@@ -99,7 +104,14 @@ def group_blocks(group_offs: torch.Tensor, block: int) -> torch.Tensor:
 
 def group_block_layout(group_offs: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ends, base)`` [G] each: the running total of ``group_blocks`` and every group's first scale row
-    (no host sync). A backward computes it once for its two quantizers and its wgrad GEMM."""
+    (no host sync), made once per offsets tensor and block (``derived_from``): a backward's two
+    quantizers and wgrad GEMM, and fc1's and fc2's, share it. One Triton program in eager mode."""
+    return derived_from(group_offs, ("block layout", block), lambda offs: _block_layout(offs, block))
+
+
+def _block_layout(group_offs: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton_runs_on(group_offs.device) and direct_call_allowed(group_offs):
+        return group_block_layout_triton(group_offs.contiguous(), block)
     blocks = group_blocks(group_offs, block)
     ends = torch.cumsum(blocks, 0)
     return ends, ends - blocks

@@ -13,7 +13,6 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from primus_turbo.common.platform import is_hopper_or_newer
 from primus_turbo.pytorch.core.backend import (
@@ -23,7 +22,11 @@ from primus_turbo.pytorch.core.backend import (
     precision_of,
 )
 from primus_turbo.pytorch.core.custom_op import custom_op
-from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import balanced_group_offs, token_shape_class
+from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import (
+    balanced_group_offs,
+    derived_from,
+    token_shape_class,
+)
 from primus_turbo.triton.grouped_gemm import grouped_gemm_triton, grouped_gemm_variable_k_triton
 from primus_turbo.triton.utils.device_info import interpreter_active, triton_unavailable_reason
 
@@ -59,27 +62,14 @@ def _grouped_mm_usable(a: torch.Tensor, *others: torch.Tensor) -> bool:
     )
 
 
-# group_offs -> (its version, its int32 ends): a layer's forward, dgrad and wgrad (and fc1 and fc2, which
-# share the routing) convert the same offsets once instead of launching a conversion per GEMM
-_ENDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 def _ends(group_offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``'s offsets: the int32 end row of each group, converted once per offsets
-    tensor (and version). Not reused while a CUDA graph is captured (an earlier conversion made outside
-    the graph would not be replayed with it), nor for inference tensors (they keep no version)."""
-    if _capturing(group_offs) or group_offs.is_inference():
-        return group_offs[1:].to(torch.int32)
-    hit = _ENDS.get(group_offs)
-    if hit is not None and hit[0] == group_offs._version:
-        return hit[1]
-    ends = group_offs[1:].to(torch.int32)
-    _ENDS[group_offs] = (group_offs._version, ends)
-    return ends
+    tensor (``derived_from``)."""
+    return derived_from(group_offs, "int32 ends", _int32_ends)
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def _int32_ends(group_offs: torch.Tensor) -> torch.Tensor:
+    return group_offs[1:].to(torch.int32)
 
 
 class TorchGroupedGemmBackend(KernelBackend):
