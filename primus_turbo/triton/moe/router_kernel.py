@@ -135,12 +135,19 @@ def _router_bwd_kernel(
     TOPK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    HAS_DPROBS: tl.constexpr,
+    HAS_DAUX: tl.constexpr,
 ):
     offs, mask, col_ok = _tile(T, E, ROWS, BLOCK_E)
     logits = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     routed = tl.load(map_ptr + offs, mask=mask, other=0) != 0
-    dprobs = tl.load(dprobs_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scaling_factor
-    daux = tl.load(daux_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # a gradient autograd did not produce (its output unused) is zero: not read, not materialised
+    dprobs = tl.zeros_like(logits)
+    if HAS_DPROBS:
+        dprobs = tl.load(dprobs_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scaling_factor
+    daux = tl.zeros_like(logits)
+    if HAS_DAUX:
+        daux = tl.load(daux_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _scores(logits, col_ok, SOFTMAX)
     if SOFTMAX:
         # probs and aux both read s directly: d s = routed * dprobs + daux, then through the softmax
@@ -207,13 +214,14 @@ def router_fwd_triton(
 def router_bwd_triton(
     logits: torch.Tensor,
     routing: torch.Tensor,
-    dprobs: torch.Tensor,
-    daux: torch.Tensor,
+    dprobs: torch.Tensor | None,
+    daux: torch.Tensor | None,
     topk: int,
     softmax: bool,
     scaling_factor: float,
 ) -> torch.Tensor:
-    """d logits (logits' dtype) from the gradients of probs and of the aux scores (contiguous [T, E])."""
+    """d logits (logits' dtype) from the gradients of probs and of the aux scores (contiguous [T, E];
+    None for a zero gradient)."""
     tokens, experts = logits.shape
     dlogits = torch.empty_like(logits)
     if tokens == 0:
@@ -222,8 +230,8 @@ def router_bwd_triton(
     _router_bwd_kernel[(triton.cdiv(tokens, rows),)](
         logits,
         routing.view(torch.int8),
-        dprobs,
-        daux,
+        dprobs if dprobs is not None else logits,
+        daux if daux is not None else logits,
         dlogits,
         tokens,
         experts,
@@ -232,6 +240,8 @@ def router_bwd_triton(
         TOPK=topk,
         ROWS=rows,
         BLOCK_E=block_e,
+        HAS_DPROBS=dprobs is not None,
+        HAS_DAUX=daux is not None,
         num_warps=warps,
     )
     return dlogits

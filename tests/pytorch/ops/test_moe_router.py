@@ -107,6 +107,28 @@ def test_opcheck_and_compile():
     assert logits.grad is not None
 
 
+@pytest.mark.parametrize("used", ["probs", "aux"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "mixtral"])
+def test_backward_of_one_used_output(name, used):
+    """An unused output's gradient reaches the kernel as None (not a zero tensor) and counts as zero."""
+    tokens, experts, topk, groups, selected, function, scaling, bias = CASES[name]
+    logits, expert_bias = _inputs(tokens, experts, bias)
+    probs, _, aux = route(logits, topk, groups, selected, function, scaling, expert_bias)
+    grad = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ((probs if used == "probs" else aux) * grad).sum().backward()
+    zero = torch.zeros_like(grad)
+    grads = (grad, zero) if used == "probs" else (zero, grad)
+    _, routing, _ = impl.router_fwd_reference(logits.detach(), expert_bias, topk, groups, selected,
+                                              function == "softmax", scaling)  # fmt: skip
+    expected = impl.router_bwd_reference(
+        logits.detach(), routing, *grads, topk, function == "softmax", scaling
+    )
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-5, atol=1e-7)
+    none_grads = (grad, None) if used == "probs" else (None, grad)
+    bwd = (logits.detach(), routing, *none_grads, topk, function == "softmax", scaling)
+    torch.library.opcheck(impl.moe_router_bwd_impl, bwd)
+
+
 @pytest.mark.deterministic
 def test_deterministic_bitwise():
     results = []

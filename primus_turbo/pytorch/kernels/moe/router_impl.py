@@ -57,16 +57,16 @@ def router_fwd_reference(
 def router_bwd_reference(
     logits: torch.Tensor,
     routing: torch.Tensor,
-    dprobs: torch.Tensor,
-    daux: torch.Tensor,
+    dprobs: torch.Tensor | None,
+    daux: torch.Tensor | None,
     topk: int,
     softmax: bool,
     scaling_factor: float,
 ) -> torch.Tensor:
-    """d logits in PyTorch, the formulas of the backward kernel."""
+    """d logits in PyTorch, the formulas of the backward kernel (a None gradient is zero)."""
     s = _scores(logits, softmax)
-    dprobs = dprobs.float() * scaling_factor
-    daux = daux.float()
+    dprobs = dprobs.float() * scaling_factor if dprobs is not None else torch.zeros_like(s)
+    daux = daux.float() if daux is not None else torch.zeros_like(s)
     if softmax:
         ds = torch.where(routing, dprobs, 0.0) + daux
         return (s * (ds - (ds * s).sum(-1, keepdim=True))).to(logits.dtype)
@@ -108,15 +108,15 @@ def _moe_router_fwd_fake(logits, bias, topk, groups, selected_groups, softmax, s
 def moe_router_bwd_impl(
     logits: torch.Tensor,
     routing: torch.Tensor,
-    dprobs: torch.Tensor,
-    daux: torch.Tensor,
+    dprobs: torch.Tensor | None,
+    daux: torch.Tensor | None,
     topk: int,
     softmax: bool,
     scaling_factor: float,
 ) -> torch.Tensor:
-    """d logits [T, E] in the logits' dtype."""
+    """d logits [T, E] in the logits' dtype; a None gradient (its output unused) is zero."""
     if triton_runs_on(logits.device):
-        grads = (t.contiguous() for t in (logits, routing, dprobs, daux))
+        grads = (t.contiguous() if t is not None else None for t in (logits, routing, dprobs, daux))
         return router_bwd_triton(*grads, topk, softmax, scaling_factor)
     return router_bwd_reference(logits, routing, dprobs, daux, topk, softmax, scaling_factor)
 

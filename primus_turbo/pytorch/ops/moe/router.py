@@ -22,13 +22,12 @@ class _RouterFunction(torch.autograd.Function):
         ctx.save_for_backward(logits, routing)
         ctx.topk, ctx.softmax, ctx.scaling_factor = topk, softmax, scaling_factor
         ctx.mark_non_differentiable(routing)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: the kernel skips it
         return probs, routing, aux
 
     @staticmethod
     def backward(ctx, dprobs, _drouting, daux):
         logits, routing = ctx.saved_tensors
-        dprobs = torch.zeros_like(logits, dtype=torch.float32) if dprobs is None else dprobs
-        daux = torch.zeros_like(logits, dtype=torch.float32) if daux is None else daux
         options = (ctx.topk, ctx.softmax, ctx.scaling_factor)
         dlogits = call_op(moe_router_bwd_impl, logits, routing, dprobs, daux, *options)
         return dlogits, None, None, None, None, None, None
