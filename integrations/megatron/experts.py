@@ -26,6 +26,7 @@ from primus_turbo.integrations.megatron.linear import (
     init_partitioned_weight,
     param_device,
 )
+from primus_turbo.pytorch.core.custom_op import apply_function
 from primus_turbo.pytorch.modules.grouped_linear import grouped_linear
 from primus_turbo.pytorch.ops import QuantizedExperts, quantize_fp8_experts, swiglu_with_probs
 
@@ -140,22 +141,32 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
             if bias:
                 self.register_parameter(f"bias{i}", nn.Parameter(biases[i]))
         self.use_bias = bias
+        names = ("weight", "bias") if bias else ("weight",)
+        self._expert_names = {name: [f"{name}{i}" for i in range(num_gemms)] for name in names}
+        self._consecutive_pointers: dict[str, list[int]] = {}
         for param in self.parameters():
             param.allreduce = not expert_parallel
 
     def _experts(self, name: str) -> list[nn.Parameter]:
-        """The per-expert parameters ``{name}0..{name}{G-1}``."""
-        return [getattr(self, f"{name}{i}") for i in range(self.num_gemms)]
+        """The per-expert parameters ``{name}0..{name}{G-1}`` (read from ``_parameters``: ``Module``'s
+        attribute lookup costs about a microsecond per expert and call)."""
+        params = self._parameters
+        return [params[key] for key in self._expert_names[name]]
 
     def _stacked(self, name: str) -> torch.Tensor:
         """[G, ...] from the per-expert parameters, gradients flowing back to each. While they still lie
         one after another in memory (as built, and after ``.to()``) this is a view of them; after
         something else re-homed them (a distributed optimizer's parameter buffer) or under torch.compile,
-        a copy."""
+        a copy. The full layout check runs once per set of data pointers (re-homing changes them)."""
         params = self._experts(name)
-        if not torch.compiler.is_compiling() and _consecutive(params):
-            return _ConsecutiveStack.apply(*params)
-        return torch.stack(params)
+        if torch.compiler.is_compiling():
+            return torch.stack(params)
+        pointers = [p.data_ptr() for p in params]
+        if self._consecutive_pointers.get(name) != pointers:
+            if not _consecutive(params):
+                return torch.stack(params)
+            self._consecutive_pointers[name] = pointers
+        return apply_function(_ConsecutiveStack, *params)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> TurboGroupedLinear:
         """``Module._apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``), which converts each parameter on its

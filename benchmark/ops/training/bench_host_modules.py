@@ -125,8 +125,20 @@ def module_cases(device: torch.device) -> list[Case]:
             target=1.5,
         )
     )
+    cases.append(_grouped_mlp_case(config, TurboGroupedMLP, device, dtype, tokens, "TurboGroupedMLP"))
+    # a fine-grained MoE's expert count, where per-expert parameter handling shows
+    wide = _config(dtype, num_moe_experts=128, moe_router_topk=8)
+    cases.append(_grouped_mlp_case(wide, TurboGroupedMLP, device, dtype, 256, "TurboGroupedMLP 128 experts"))
+    return cases
+
+
+def _grouped_mlp_case(
+    config, mlp_cls, device: torch.device, dtype: torch.dtype, tokens: int, name: str
+) -> Case:
+    """``mlp_cls`` (the Turbo experts) beside the same experts as ``torch._grouped_mm`` calls."""
+    hidden = config.hidden_size
     experts = config.num_moe_experts
-    grouped = TurboGroupedMLP(experts, config).to(device)
+    grouped = mlp_cls(experts, config).to(device)
     tokens_x = torch.randn(tokens * 2, hidden, device=device, dtype=dtype, requires_grad=True)
     counts = torch.full((experts,), tokens * 2 // experts, device=device, dtype=torch.int64)
     probs = torch.rand(tokens * 2, device=device)
@@ -148,14 +160,11 @@ def module_cases(device: torch.device) -> list[Case]:
         peer = grouped_peer
     except RuntimeError:  # torch._grouped_mm has no working backward on the CPU in some versions
         peer = None
-    cases.append(
-        Case(
-            "megatron",
-            "TurboGroupedMLP",
-            lambda: grouped(tokens_x, counts, probs)[0],
-            peer,
-            [tokens_x, peer_w1, peer_w2, *grouped.parameters()],
-            "torch._grouped_mm experts" if peer else "",
-        )
+    return Case(
+        "megatron",
+        name,
+        lambda: grouped(tokens_x, counts, probs)[0],
+        peer,
+        [tokens_x, peer_w1, peer_w2, *grouped.parameters()],
+        "torch._grouped_mm experts" if peer else "",
     )
-    return cases
