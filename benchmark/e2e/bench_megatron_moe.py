@@ -35,7 +35,19 @@ VARIANTS = {
     "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],
     "turbo-fp8-blockwise-compiled-graph": [*BLOCKWISE, "--compile", "--cuda-graph"],
     "turbo-fp8-blockwise-hpwgrad-compiled-graph": [*BLOCKWISE, *HP_WGRAD, "--compile", "--cuda-graph"],
+    # megatron-core's own graphs around the Turbo model, through its schedule
+    "turbo-bf16-mcore-local": ["--cuda-graph-impl", "local"],
+    "turbo-bf16-mcore-local-attn-router": [
+        "--cuda-graph-impl",
+        "local",
+        "--cuda-graph-modules",
+        "attn",
+        "moe_router",
+        "moe_preprocess",
+    ],  # fmt: skip
+    "turbo-bf16-mcore-full-iteration": ["--cuda-graph-impl", "full_iteration"],
 }
+ONE_GPU_FLAGS = ("--cuda-graph", "--cuda-graph-impl")
 
 
 def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path) -> dict[str, dict]:
@@ -83,8 +95,8 @@ def main() -> None:
     folder = Path(args.output).resolve().parent
     results: dict[str, dict] = {}
     for variant in args.variants.split(","):
-        if "--cuda-graph" in VARIANTS[variant] and args.nproc > 1:
-            print(f"{variant}: skipped (the step's CUDA graph is one-GPU only)", flush=True)
+        if any(flag in VARIANTS[variant] for flag in ONE_GPU_FLAGS) and args.nproc > 1:
+            print(f"{variant}: skipped (the example's CUDA graphs are one-GPU only)", flush=True)
             continue
         for run, values in _run(variant, VARIANTS[variant], args, folder).items():
             results["local" if run == "local" else variant] = values
