@@ -157,6 +157,8 @@ class CachedLaunchKernel:
         return f"cached_launch({self.fn!r})"
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        if launcher_mode() != "cached":
+            return self.fn[grid]
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch_key(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
