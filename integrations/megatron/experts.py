@@ -81,6 +81,45 @@ class _ConsecutiveStack(torch.autograd.Function):
         return grad.unbind(0)
 
 
+class _StackIntoMainGrad(torch.autograd.Function):
+    """The experts' weights stacked (a view where ``consecutive``, else a copy) under Megatron's fused wgrad
+    accumulation: the backward adds the stacked gradient into the experts' ``main_grad``s, which DDP's
+    buffer holds back to back (``reverse``: from the last expert to the first, as DDP lays parameters
+    out), in one kernel instead of one per expert, and hands autograd dummy gradients with
+    ``grad_added_to_main_grad`` set, as Megatron's fused kernels do."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, main_grad: torch.Tensor, reverse: bool, consecutive: bool, *tensors: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.main_grad, ctx.reverse, ctx.params = main_grad, reverse, tensors
+        if not consecutive:
+            return torch.stack(tensors)
+        first = tensors[0]
+        return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.main_grad.add_(grad.flip(0) if ctx.reverse else grad)
+        zero = False
+        for param in ctx.params:
+            param.grad_added_to_main_grad = True
+            zero = zero or getattr(param, "zero_out_wgrad", False)
+        dummy = (torch.zeros if zero else torch.empty)(grad.shape, dtype=grad.dtype, device=grad.device)
+        return None, None, None, *dummy.unbind(0)
+
+
+def _main_grad_order(grads: list[torch.Tensor | None], params: Sequence[nn.Parameter]) -> bool | None:
+    """Whether the experts' ``main_grad``s lie back to back in one buffer from the last expert to the first
+    (True) or from the first (False); None when they do not lie back to back (or one is missing)."""
+    if any(g is None or g.shape != p.shape for g, p in zip(grads, params, strict=True)):
+        return None
+    for order, reverse in ((grads, False), (grads[::-1], True)):
+        if _consecutive(order):
+            return reverse
+    return None
+
+
 class TurboGroupedLinear(_ExtraState, nn.Module):
     """``TEGroupedLinear``'s contract: ``num_gemms`` experts' weights ``weight0..weight{n-1}`` [out, in]
     (TE's names), ``forward(x, m_splits)`` over tokens sorted by expert, ``m_splits`` a device tensor (no
@@ -143,7 +182,8 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         self.use_bias = bias
         names = ("weight", "bias") if bias else ("weight",)
         self._expert_names = {name: [f"{name}{i}" for i in range(num_gemms)] for name in names}
-        self._consecutive_pointers: dict[str, list[int]] = {}
+        self._layouts: dict[str, tuple[list[int], bool]] = {}  # data pointers -> lie back to back
+        self._main_grad_layout: tuple[list[int], bool | None] | None = None
         for param in self.parameters():
             param.allreduce = not expert_parallel
 
@@ -154,19 +194,39 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         return [params[key] for key in self._expert_names[name]]
 
     def _stacked(self, name: str) -> torch.Tensor:
-        """[G, ...] from the per-expert parameters, gradients flowing back to each. While they still lie
-        one after another in memory (as built, and after ``.to()``) this is a view of them; after
+        """[G, ...] from the per-expert parameters, gradients flowing back to each (into their ``main_grad``s
+        in one step under Megatron's fused wgrad accumulation, ``_StackIntoMainGrad``). While they still
+        lie one after another in memory (as built, and after ``.to()``) this is a view of them; after
         something else re-homed them (a distributed optimizer's parameter buffer) or under torch.compile,
         a copy. The full layout check runs once per set of data pointers (re-homing changes them)."""
         params = self._experts(name)
         if torch.compiler.is_compiling():
             return torch.stack(params)
         pointers = [p.data_ptr() for p in params]
-        if self._consecutive_pointers.get(name) != pointers:
-            if not _consecutive(params):
-                return torch.stack(params)
-            self._consecutive_pointers[name] = pointers
-        return apply_function(_ConsecutiveStack, *params)
+        known = self._layouts.get(name)
+        if known is None or known[0] != pointers:
+            known = self._layouts[name] = (pointers, _consecutive(params))
+        consecutive = known[1]
+        main_grad = self._main_grad(params) if name == "weight" else None
+        if main_grad is not None and torch.is_grad_enabled() and params[0].requires_grad:
+            return apply_function(_StackIntoMainGrad, *main_grad, consecutive, *params)
+        return apply_function(_ConsecutiveStack, *params) if consecutive else torch.stack(params)
+
+    def _main_grad(self, params: list[nn.Parameter]) -> tuple[torch.Tensor, bool] | None:
+        """(the experts' ``main_grad``s as one [G, ...] tensor in memory order, whether that order runs from
+        the last expert to the first) where Megatron's ``gradient_accumulation_fusion`` is on and DDP's
+        buffer holds them back to back; the layout check runs again only when the buffer moved."""
+        if not self.config.gradient_accumulation_fusion or getattr(params[0], "main_grad", None) is None:
+            return None
+        grads = [getattr(p, "main_grad", None) for p in params]
+        pointers = [g.data_ptr() if g is not None else 0 for g in grads]
+        if self._main_grad_layout is None or self._main_grad_layout[0] != pointers:
+            self._main_grad_layout = (pointers, _main_grad_order(grads, params))
+        reverse = self._main_grad_layout[1]
+        if reverse is None:
+            return None
+        first = grads[-1] if reverse else grads[0]
+        return first.as_strided((len(grads), *first.shape), (first.numel(), *first.stride())), reverse
 
     def _apply(self, fn: Callable, recurse: bool = True) -> TurboGroupedLinear:
         """``Module._apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``), which converts each parameter on its

@@ -358,6 +358,42 @@ def test_grouped_linear_reads_its_experts_without_a_copy(megatron, bias):
     assert grads_view["weight1"].abs().sum() == 0  # expert 1 has no tokens
 
 
+@pytest.mark.parametrize("rehomed", [False, True], ids=["view", "copy"])
+@pytest.mark.parametrize("layout", ["forward", "reverse", "apart"])
+def test_grouped_wgrad_accumulates_into_main_grad(megatron, layout, rehomed):
+    """With gradient_accumulation_fusion, experts whose main_grads DDP's buffer holds back to back (in
+    expert order, or reversed as DDP lays parameters out) get their weight gradients added there in one
+    step, flagged ``grad_added_to_main_grad`` (Megatron's hook then skips its add); main_grads lying apart
+    leave the gradients to autograd and the hook. Two backwards accumulate."""
+    fc1 = _grouped_fc1(gradient_accumulation_fusion=True)
+    ref = _grouped_fc1()
+    ref.load_state_dict(fc1.state_dict())
+    params = fc1._experts("weight")
+    if rehomed:  # weights apart (a distributed optimizer's buffer): stacked by a copy
+        for param in params:
+            param.data = param.data.clone()
+    step, count = params[0].numel(), len(params)
+    buffer = torch.zeros(count * step, dtype=torch.float32, device=_device())
+    for i, param in enumerate(params):
+        slot = count - 1 - i if layout == "reverse" else i
+        grad = buffer[slot * step : (slot + 1) * step].view(param.shape)
+        param.main_grad = grad.clone() if layout == "apart" else grad
+        param.grad_added_to_main_grad = False
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 7], device=_device())
+    grad_out = torch.randn(10, 32, dtype=torch.bfloat16, device=_device())
+    for _ in range(2):
+        fc1(x, counts)[0].backward(grad_out)
+        ref(x, counts)[0].backward(grad_out)
+    for param, expected in zip(params, ref._experts("weight"), strict=True):
+        if layout == "apart":
+            assert not param.grad_added_to_main_grad and not param.main_grad.any()
+            torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0)
+        else:
+            assert param.grad_added_to_main_grad
+            torch.testing.assert_close(param.main_grad, expected.grad.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_grouped_linear_keeps_experts_consecutive_through_to(megatron):
     """``.to()`` converts each parameter on its own; the layer lays its experts back to back again."""
     fc1 = _grouped_fc1(bias=True)
