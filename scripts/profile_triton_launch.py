@@ -17,11 +17,10 @@ caches per specialization would do). Each variant's output is checked against th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import os
 import pstats
-from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import triton
@@ -68,20 +67,6 @@ def _scale_kernel_wide(
     tl.store(y_ptr + offs, value, mask=mask)
 
 
-@contextlib.contextmanager
-def _launcher(mode: str) -> Iterator[None]:
-    """``PRIMUS_TURBO_TRITON_LAUNCHER=mode`` inside the block."""
-    saved = os.environ.get(ENV_TRITON_LAUNCHER)
-    os.environ[ENV_TRITON_LAUNCHER] = mode
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[ENV_TRITON_LAUNCHER]
-        else:
-            os.environ[ENV_TRITON_LAUNCHER] = saved
-
-
 def host_us(fn, calls: int) -> float:
     return bench_host_us(fn, calls, torch.device("cuda"), warmup=100)
 
@@ -90,7 +75,7 @@ def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list
     """Host us of ``kernel`` launched through Triton's launcher, the compiled handle and its ``run``."""
     rows = [[f"kernel[grid](...) {label}", host_us(lambda: kernel[grid](*launch_args, **constexprs), calls)]]
     cached = cached_launch(kernel)
-    with _launcher("cached"):
+    with mock.patch.dict(os.environ, {ENV_TRITON_LAUNCHER: "cached"}):
         y.zero_()
         cached[grid](*launch_args, **constexprs)
         torch.cuda.synchronize()
@@ -133,7 +118,7 @@ def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list
 
 def profile_cases(names: list[str], calls: int, top: int) -> None:
     """cProfile of ``calls`` forward and forward + backward calls of each named host-bench row."""
-    from benchmark.ops.training.bench_host_overhead import _backward_step, op_cases
+    from benchmark.ops.training.bench_host_overhead import _backward_step, _sync, op_cases
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for case in op_cases(device):
@@ -151,8 +136,7 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
                 for _ in range(calls):
                     fn()
                 profiler.disable()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _sync(device)
             print(f"== {case.name} {label}: {calls} calls")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 

@@ -67,14 +67,19 @@ def _consecutive(tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
+def _stack_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[G, ...] view of ``tensors`` that lie back to back in one storage (``_consecutive``), first first."""
+    first = tensors[0]
+    return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+
+
 class _ConsecutiveStack(torch.autograd.Function):
     """``torch.stack`` of tensors that already lie back to back in one storage: a view, no copy; the
     gradient of each is its slice of the stacked gradient."""
 
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
-        first = tensors[0]
-        return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+        return _stack_view(tensors)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -93,10 +98,7 @@ class _StackIntoMainGrad(torch.autograd.Function):
         ctx: Any, main_grad: torch.Tensor, reverse: bool, consecutive: bool, *tensors: torch.Tensor
     ) -> torch.Tensor:
         ctx.main_grad, ctx.reverse, ctx.params = main_grad, reverse, tensors
-        if not consecutive:
-            return torch.stack(tensors)
-        first = tensors[0]
-        return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
+        return _stack_view(tensors) if consecutive else torch.stack(tensors)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -225,8 +227,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         reverse = self._main_grad_layout[1]
         if reverse is None:
             return None
-        first = grads[-1] if reverse else grads[0]
-        return first.as_strided((len(grads), *first.shape), (first.numel(), *first.stride())), reverse
+        return _stack_view(grads[::-1] if reverse else grads), reverse
 
     def _apply(self, fn: Callable, recurse: bool = True) -> TurboGroupedLinear:
         """``Module._apply`` (``.to()``, ``.cuda()``, ``.bfloat16()``), which converts each parameter on its

@@ -11,9 +11,10 @@ The key is finer than Triton's specialization, never coarser: a tensor by (dtype
 ROCm whether its storage is under 2 GiB]), an int by (== 1, divisible by 16, the i32 / i64 / u64 range), a
 float or bool by type, a constexpr parameter and every launch option by value, plus the device and Triton's
 debug / instrumentation knobs. Two calls with the same key therefore compile to the same kernel; a new key
-launches through Triton once and caches what Triton returned. Calls the key does not cover (tensor
-descriptors, tuples, other objects, callable grids), launch hooks (profilers), ``pre_run_hooks`` and the
-interpreter go through Triton unchanged.
+launches through Triton once and caches what Triton returned. Host TMA descriptors are keyed by dtype,
+block shape, layout, padding and base alignment. Calls the key does not cover (tuples, other objects,
+callable grids), launch hooks (profilers), ``pre_run_hooks`` and the interpreter go through Triton
+unchanged.
 
 ``PRIMUS_TURBO_TRITON_LAUNCHER`` picks the path: ``triton`` (the default) or ``cached``. With
 ``PRIMUS_TURBO_TRITON_LAUNCH_CHECK=1`` every cached launch first asks Triton (``warmup=True``) which kernel
@@ -168,14 +169,10 @@ class CachedLaunchKernel:
         return values, (_current_device(), _knob_state(), tuple(sorted(options.items())), spec)
 
     def launch(self, grid: Any, args: tuple, kwargs: dict) -> Any:
-        """Launch on ``grid``: from the cache where the key is known, else through Triton."""
+        """Launch on ``grid`` in the cached mode (``__getitem__`` checked it): from the cache where the key
+        is known, else through Triton."""
         fn = self.fn
-        if (
-            launcher_mode() != "cached"
-            or callable(grid)
-            or getattr(fn, "pre_run_hooks", None)
-            or not _hooks_idle()
-        ):
+        if callable(grid) or getattr(fn, "pre_run_hooks", None) or not _hooks_idle():
             return fn.run(*args, grid=grid, warmup=False, **kwargs)
         try:
             values, key = self.launch_key(args, kwargs)
