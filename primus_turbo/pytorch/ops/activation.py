@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.custom_op import apply_function, call_op
+from primus_turbo.pytorch.core.custom_op import apply_function, call_op, direct_call_allowed
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
@@ -20,6 +20,7 @@ from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
     gated_act_bwd_impl,
     gated_act_fp8_fwd_impl,
     gated_act_fwd_impl,
+    gated_act_reference,
 )
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
@@ -27,6 +28,7 @@ from primus_turbo.pytorch.ops.quantization import (
     fused_fp8_settings,
     grad_anchor,
 )
+from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = ["geglu", "geglu_fp8", "geglu_with_probs", "swiglu", "swiglu_fp8", "swiglu_with_probs"]
 
@@ -111,6 +113,10 @@ def _per_row(t: torch.Tensor | None) -> torch.Tensor | None:
 def _gated(x, probs, row_mask, act) -> torch.Tensor:
     _check(x, probs, row_mask)
     probs, row_mask = _per_row(probs), _per_row(row_mask)
+    if not triton_runs_on(x.device) and direct_call_allowed(x, probs, row_mask):
+        # the TORCH path in eager mode: PyTorch's own autograd of the reference expression costs less host
+        # time than a Python Function around the same ops
+        return gated_act_reference(x, probs, row_mask, act).to(x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or (probs is not None and probs.requires_grad)):
         return apply_function(_GatedActFunction, x, probs, row_mask, act)
     return _gated_forward(x, probs, row_mask, act)[0]
