@@ -52,6 +52,8 @@
 #                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_SIZE, default small (or
 #                       finegrained: 128 experts top-8); E2E_NPROC, default 1; E2E_TP,
 #                       default 1: tensor parallelism with sequence parallelism, expert parallelism NPROC / TP)
+#   STEP_PROFILE=1      where an eager Turbo step of the example spends its time (scripts/profile_megatron_step.py
+#                       --syncs --cprofile at E2E_SIZE: synchronising calls, Python functions, kernels, host ops)
 #   MEGATRON=1          install the carried megatron-core wheel (.whl/, name .whl in carry) into /tmp/site first
 #                       (implied by E2E=1); the integration tests then run against it
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -84,7 +86,7 @@ fi
 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.txt"
 
-if [ "${MEGATRON:-0}" = 1 ] || [ "${E2E:-0}" = 1 ]; then
+if [ "${MEGATRON:-0}" = 1 ] || [ "${E2E:-0}" = 1 ] || [ "${STEP_PROFILE:-0}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -n 1 | tee -a "$OUT/env.txt"
@@ -230,6 +232,11 @@ if [ "${E2E:-0}" = 1 ]; then
     --tp "${E2E_TP:-1}" --steps "${E2E_STEPS:-50}" --size "${E2E_SIZE:-small}" \
     ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} -o "$OUT/megatron_moe_${E2E_SIZE:-small}.csv" 2>&1 \
     | tee "$OUT/bench_megatron_moe_${E2E_SIZE:-small}.log" || status=1
+fi
+if [ "${STEP_PROFILE:-0}" = 1 ]; then
+  PYTHONPATH=. timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python scripts/profile_megatron_step.py \
+    --size "${E2E_SIZE:-small}" --syncs --cprofile > "$OUT/profile_step_${E2E_SIZE:-small}.log" 2>&1 || status=1
+  grep -E "unprofiled|per step|synchronising calls" "$OUT/profile_step_${E2E_SIZE:-small}.log"
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

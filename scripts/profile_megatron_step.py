@@ -1,7 +1,9 @@
 """Profile Turbo training steps of the example's MoE GPT on one GPU: wall time per step, GPU busy time,
 and the top kernels and host ops (torch.profiler). Tells host-bound from device-bound steps. With
 ``--cprofile`` it also profiles the Python of the timed steps without torch.profiler (which turns the
-custom ops' eager fast path off): the functions that take the host's time.
+custom ops' eager fast path off): the functions that take the host's time. ``--syncs`` lists every call
+of one eager step that synchronised with the GPU (torch.cuda's sync debug mode), with its stack: a step
+that synchronises cannot run ahead of the GPU.
 
     python scripts/profile_megatron_step.py --size small [--fp8 e4m3 --fp8-recipe blockwise] [--rows N]
 """
@@ -17,6 +19,8 @@ import pstats
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
     args.steps = 3
     profiler = cProfile.Profile()
     profiler.enable()
-    logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
+    logs = train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
     profiler.disable()
     fwd_bwd = sum(log.fwd_bwd_s for log in logs) / len(logs)
     print(f"cProfile run: fwd+bwd {fwd_bwd * 1e3:.1f} ms per step (profiled)")
@@ -45,9 +49,33 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
         print(text.getvalue())
 
 
+def _sync_report(model: torch.nn.Module, args, device: torch.device) -> None:
+    """Run one step with torch.cuda's sync debug mode on; print each synchronising call's stack."""
+    stacks: dict[str, int] = {}
+
+    def record(*_args, **_kwargs) -> None:
+        stack = "".join(traceback.format_stack(limit=16)[:-2])
+        stacks[stack] = stacks.get(stack, 0) + 1
+
+    args.steps = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # the step's own timing syncs (before and after the timed region) and the loss read are expected
+    print(f"synchronising calls in one step: {sum(stacks.values())} ({len(stacks)} distinct stacks)")
+    for stack, count in sorted(stacks.items(), key=lambda item: -item[1]):
+        print(f"--- {count} x\n{stack}")
+
+
 def main() -> None:
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     own.add_argument("--cprofile", action="store_true")
+    own.add_argument("--syncs", action="store_true", help="list the synchronising calls of one step")
     own.add_argument("--rows", type=int, default=30, help="kernels listed by GPU time")
     mine, rest = own.parse_known_args()
     cprofile = mine.cprofile
@@ -67,17 +95,19 @@ def main() -> None:
         model = train_moe.build_model(args, not args.local_only, device)
         args.steps = 5
         # warm up: compile, autotune, allocator
-        train_moe.train(model, args, 0, device, graph=args.cuda_graph)
-        logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
+        train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
+        logs = train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
         eager = sorted(log.fwd_bwd_s for log in logs)[len(logs) // 2]
         print(f"unprofiled: fwd+bwd {eager * 1e3:.1f} ms per step (median of 5)")
+        if mine.syncs:
+            _sync_report(model, args, device)
         if cprofile:
             _python_profile(model, args, device)
         args.steps = 3
         torch.cuda.synchronize()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            logs = train_moe.train(model, args, 0, device, graph=args.cuda_graph)
+            logs = train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
         events = prof.key_averages()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ ONE_GPU_FLAGS = ("--cuda-graph", "--cuda-graph-impl")
 
 
 def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path) -> dict[str, dict]:
-    """Run one variant; -> {run name: {"tokens_per_s": median, "final_loss": loss}}."""
+    """Run one variant; -> {run name: {"tokens_per_s": median, "host_ms": median host time to enqueue a
+    step, "final_loss": loss}}."""
     steps_csv = folder / f"{variant}.csv"
     command = [sys.executable, str(EXAMPLE), "--size", args.size, "--nproc", str(args.nproc),
                "--tp", str(args.tp), "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -73,9 +75,10 @@ def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path)
             rows.setdefault(row["run"], []).append(row)
     result = {}
     for run, logs in rows.items():
-        rates = sorted(float(r["tokens_per_s"]) for r in logs[args.warmup :])
+        rates = statistics.median(float(r["tokens_per_s"]) for r in logs[args.warmup :])
+        host = statistics.median(float(r["host_ms"]) for r in logs[args.warmup :])
         tail = [float(r["loss"]) for r in logs[-10:]]  # one batch's loss is noisy: the last 10 steps' mean
-        result[run] = {"tokens_per_s": rates[len(rates) // 2], "final_loss": sum(tail) / len(tail)}
+        result[run] = {"tokens_per_s": rates, "host_ms": host, "final_loss": sum(tail) / len(tail)}
     return result
 
 
@@ -106,8 +109,9 @@ def main() -> None:
         ratio = values["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         gap = abs(values["final_loss"] - base["final_loss"]) / base["final_loss"] if base else float("nan")
         rate, loss = f"{values['tokens_per_s']:.0f}", f"{values['final_loss']:.4f}"
-        table.append([name, args.nproc, args.tp, rate, f"{ratio:.3f}", loss, f"{gap:.4f}"])
-    header = ["run", "gpus", "tp", "tokens_per_s", "vs_local", "final_loss", "loss_gap_vs_local"]
+        host = f"{values['host_ms']:.1f}"
+        table.append([name, args.nproc, args.tp, rate, host, f"{ratio:.3f}", loss, f"{gap:.4f}"])
+    header = ["run", "gpus", "tp", "tokens_per_s", "host_ms", "vs_local", "final_loss", "loss_gap_vs_local"]
     print(tabulate(table, headers=header))
     with open(args.output, "w", newline="") as f:
         writer = csv.writer(f)

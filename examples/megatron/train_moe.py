@@ -60,11 +60,13 @@ CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 
 @dataclass
 class StepLog:
-    """One training step: loss and the forward+backward time (the optimizer step is not timed)."""
+    """One training step: loss, the forward+backward time (the optimizer step is not timed) and the host
+    time to enqueue it (equal to the step time when the host, not the GPU, sets the pace)."""
 
     step: int
     loss: float
     fwd_bwd_s: float
+    host_s: float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -388,6 +390,7 @@ def train(
             loss = scheduled(batches)
         else:
             loss = sum(run(tokens) for tokens in batches) / args.micro_batches
+        host = time.perf_counter() - start
         _sync(device)
         elapsed = time.perf_counter() - start
         _reduce_grads(model)
@@ -398,7 +401,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        logs.append(StepLog(step, mean_loss.item() / dist.get_world_size(), elapsed))
+        logs.append(StepLog(step, mean_loss.item() / dist.get_world_size(), elapsed, host))
     return logs
 
 
@@ -499,6 +502,10 @@ def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None
         )
     rates = {n: tokens_per_s(results[n], args) for n in names}
     print("median tokens/s (fwd+bwd): " + ", ".join(f"{n} {r:,.0f}" for n, r in rates.items()))
+    hosts = {
+        n: statistics.median(log.host_s for log in results[n][args.warmup :] or results[n]) for n in names
+    }
+    print("median host ms to enqueue a step: " + ", ".join(f"{n} {h * 1e3:.1f}" for n, h in hosts.items()))
     if len(names) == 2:
         a, b = names
         loss_a, loss_b = final_loss(results[a]), final_loss(results[b])
@@ -508,13 +515,12 @@ def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["run", "step", "loss", "fwd_bwd_ms", "tokens_per_s"])
+            writer.writerow(["run", "step", "loss", "fwd_bwd_ms", "host_ms", "tokens_per_s"])
             for n in names:
                 for log in results[n]:
                     rate = tokens / log.fwd_bwd_s
-                    writer.writerow(
-                        [n, log.step, f"{log.loss:.6f}", f"{log.fwd_bwd_s * 1e3:.3f}", f"{rate:.1f}"]
-                    )
+                    times = f"{log.fwd_bwd_s * 1e3:.3f}", f"{log.host_s * 1e3:.3f}"
+                    writer.writerow([n, log.step, f"{log.loss:.6f}", *times, f"{rate:.1f}"])
 
 
 def main(argv: list[str] | None = None) -> None:
