@@ -61,12 +61,13 @@ def _sync_report(model: torch.nn.Module, args, device: torch.device) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
+        previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # the step's own timing syncs (before and after the timed region) and the loss read are expected
+            torch.cuda.set_sync_debug_mode(previous)
+    # the loss read after the timed region (``.item()``) is expected
     print(f"synchronising calls in one step: {sum(stacks.values())} ({len(stacks)} distinct stacks)")
     for stack, count in sorted(stacks.items(), key=lambda item: -item[1]):
         print(f"--- {count} x\n{stack}")

@@ -75,10 +75,10 @@ def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path)
             rows.setdefault(row["run"], []).append(row)
     result = {}
     for run, logs in rows.items():
-        rates = statistics.median(float(r["tokens_per_s"]) for r in logs[args.warmup :])
+        rate = statistics.median(float(r["tokens_per_s"]) for r in logs[args.warmup :])
         host = statistics.median(float(r["host_ms"]) for r in logs[args.warmup :])
         tail = [float(r["loss"]) for r in logs[-10:]]  # one batch's loss is noisy: the last 10 steps' mean
-        result[run] = {"tokens_per_s": rates, "host_ms": host, "final_loss": sum(tail) / len(tail)}
+        result[run] = {"tokens_per_s": rate, "host_ms": host, "final_loss": sum(tail) / len(tail)}
     return result
 
 

@@ -411,9 +411,13 @@ def final_loss(logs: list[StepLog]) -> float:
     return sum(log.loss for log in tail) / len(tail)
 
 
+def _timed(logs: list[StepLog], args: argparse.Namespace) -> list[StepLog]:
+    """The steps after the warm-up (all of them when there are no more)."""
+    return logs[args.warmup :] or logs
+
+
 def tokens_per_s(logs: list[StepLog], args: argparse.Namespace) -> float:
-    timed = [log.fwd_bwd_s for log in logs[args.warmup :]] or [log.fwd_bwd_s for log in logs]
-    return _tokens_per_step(args) / statistics.median(timed)
+    return _tokens_per_step(args) / statistics.median(log.fwd_bwd_s for log in _timed(logs, args))
 
 
 def _tokens_per_step(args: argparse.Namespace) -> int:
@@ -502,9 +506,7 @@ def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None
         )
     rates = {n: tokens_per_s(results[n], args) for n in names}
     print("median tokens/s (fwd+bwd): " + ", ".join(f"{n} {r:,.0f}" for n, r in rates.items()))
-    hosts = {
-        n: statistics.median(log.host_s for log in results[n][args.warmup :] or results[n]) for n in names
-    }
+    hosts = {n: statistics.median(log.host_s for log in _timed(results[n], args)) for n in names}
     print("median host ms to enqueue a step: " + ", ".join(f"{n} {h * 1e3:.1f}" for n, h in hosts.items()))
     if len(names) == 2:
         a, b = names

@@ -21,6 +21,7 @@ from primus_turbo.pytorch.kernels.activation.gated_act_impl import (
     gated_act_fp8_fwd_impl,
     gated_act_fwd_impl,
     gated_act_reference,
+    gated_act_uses_triton,
 )
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
@@ -28,7 +29,6 @@ from primus_turbo.pytorch.ops.quantization import (
     fused_fp8_settings,
     grad_anchor,
 )
-from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = ["geglu", "geglu_fp8", "geglu_with_probs", "swiglu", "swiglu_fp8", "swiglu_with_probs"]
 
@@ -113,7 +113,7 @@ def _per_row(t: torch.Tensor | None) -> torch.Tensor | None:
 def _gated(x, probs, row_mask, act) -> torch.Tensor:
     _check(x, probs, row_mask)
     probs, row_mask = _per_row(probs), _per_row(row_mask)
-    if not triton_runs_on(x.device) and direct_call_allowed(x, probs, row_mask):
+    if not gated_act_uses_triton(x) and direct_call_allowed(x, probs, row_mask):
         # the TORCH path in eager mode: PyTorch's own autograd of the reference expression costs less host
         # time than a Python Function around the same ops
         return gated_act_reference(x, probs, row_mask, act).to(x.dtype)

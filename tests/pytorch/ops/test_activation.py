@@ -103,7 +103,7 @@ def test_opcheck_and_compile():
 def test_torch_reference_under_compile(monkeypatch):
     """The TORCH path (no Triton) runs below the autograd dispatch key under compile: its backward must
     not need autograd."""
-    monkeypatch.setattr(impl, "_use_triton", lambda x: False)
+    monkeypatch.setattr(impl, "gated_act_uses_triton", lambda x: False)
     _check_opcheck_and_compile()
 
 

@@ -38,10 +38,12 @@ __all__ = [
     "gated_act_fp8_fwd_impl",
     "gated_act_fwd_impl",
     "gated_act_reference",
+    "gated_act_uses_triton",
 ]
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def gated_act_uses_triton(x: torch.Tensor) -> bool:
+    """Whether the gated-activation ops run the Triton kernels on ``x`` (else the TORCH reference)."""
     return triton_runs_on(x.device)
 
 
@@ -76,7 +78,7 @@ def gated_act_fwd_impl(
     x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
 ) -> torch.Tensor:
     """``act(x[:, :H]) * x[:, H:] (* probs)`` as a (rows, H) tensor of x's dtype."""
-    if _use_triton(x):
+    if gated_act_uses_triton(x):
         return gated_act_fwd_triton(x, probs, row_mask, act)
     return gated_act_reference(x, probs, row_mask, act).to(x.dtype)
 
@@ -91,7 +93,7 @@ def gated_act_bwd_impl(
     dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor | None, row_mask: torch.Tensor | None, act: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dprobs)``: dprobs fp32 per row, empty when ``probs`` is None."""
-    if _use_triton(x):
+    if gated_act_uses_triton(x):
         return gated_act_bwd_triton(dy, x, probs, row_mask, act)
     # written out, not through torch.autograd: a custom op's body may run below the autograd dispatch
     # key (under torch.compile or the profiler), where no graph would be recorded
