@@ -185,6 +185,34 @@ def test_torch_fallback_matches_the_kernels(monkeypatch, pad_multiple, num_rows)
         torch.testing.assert_close(mine, theirs.to(mine.dtype), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("pad_multiple", "num_rows"), [(0, -1), (8, -1), (4, 9), (0, 40), (0, 50)])
+def test_eager_torch_expression_matches_the_custom_ops(monkeypatch, pad_multiple, num_rows):
+    """The CPU's eager expression (PyTorch autograd, no custom op) gives the custom ops' results bitwise,
+    forward and backward, from top-k indices with dropped routes, padding and fixed row counts."""
+    from primus_turbo.pytorch.ops.moe import permute as permute_op
+
+    monkeypatch.setattr(impl, "triton_runs_on", lambda device: False)
+    top, _, _ = _routing(30, 6, 3, seed=4, empty_expert=1)
+    top[::7, 0] = -1
+    probs = torch.rand(top.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+
+    def run():
+        x, p = _tokens(30, 12, seed=6), probs.clone().requires_grad_()
+        scales = torch.rand(30, 2, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+        permuted, row_id_map, counts, permuted_probs, permuted_scales = moe_permute(
+            x, top, p, num_local_experts=6, pad_multiple=pad_multiple, num_permuted_tokens=num_rows,
+            scales=scales,
+        )  # fmt: skip
+        out = moe_unpermute(permuted * permuted_probs[:, None], row_id_map, p, topk_indices=top)
+        out.square().sum().backward()
+        return permuted, row_id_map, counts, permuted_probs, permuted_scales, out, x.grad, p.grad
+
+    eager = run()
+    monkeypatch.setattr(permute_op, "direct_call_allowed", lambda *tensors: False)
+    for mine, theirs in zip(eager, run(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
 def test_torch_fallback_takes_empty_and_fp8_inputs(monkeypatch):
     monkeypatch.setattr(impl, "triton_runs_on", lambda device: False)
     x = torch.randn(6, 8, device=DEVICE)

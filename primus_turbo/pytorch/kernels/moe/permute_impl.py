@@ -10,6 +10,8 @@ hold its tokens in token order, then zero rows up to a multiple of ``pad_multipl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from primus_turbo.pytorch.core.custom_op import custom_op
@@ -23,13 +25,21 @@ from primus_turbo.triton.moe import (
 from primus_turbo.triton.utils.device_info import triton_runs_on
 
 __all__ = [
+    "merge_rows_torch",
     "moe_expert_bounds_impl",
     "moe_expert_layout_impl",
     "moe_merge_rows_impl",
     "moe_route_dots_impl",
     "moe_scatter_rows_impl",
+    "permute_torch",
+    "permute_uses_triton",
     "take_rows",
 ]
+
+
+def permute_uses_triton(x: torch.Tensor) -> bool:
+    """Whether the permutation ops run the Triton kernels on ``x`` (else the PyTorch expressions here)."""
+    return triton_runs_on(x.device)
 
 
 def _expert_layout_torch(
@@ -86,27 +96,111 @@ def _moe_expert_bounds_fake(row_id_map):
     return row_id_map.new_empty((experts,)), row_id_map.new_empty((experts,))
 
 
+class _Routes(NamedTuple):
+    """Every routed (token, expert) pair of a ``row_id_map`` [T, E] as int64 index lists."""
+
+    token: torch.Tensor
+    row: torch.Tensor
+    flat: torch.Tensor  # token * E + expert: the pair's entry of a flattened [T, E] tensor
+    in_order: bool  # rows are 0, 1, ..., n - 1 (no padding, nothing dropped)
+
+    def rows_of(self, y: torch.Tensor) -> torch.Tensor:
+        """``y``'s routed rows in route order (``y`` itself where that is every row in order)."""
+        return y if self.in_order and y.shape[0] == self.row.numel() else y.index_select(0, self.row)
+
+
 _last_routes: list = [None, None, None]  # (row_id_map, its version, its routes)
 
 
-def _routes(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, expert, row) int64 of every routed pair, token-major: the CPU references' index lists (the
-    device launchers never sync on a route count). The last map's lists are kept: unpermute's forward and
-    its backward's two ops take the same map."""
-    cached, version, routes = _last_routes
-    fresh = not row_id_map.is_inference()
-    if fresh and cached is row_id_map and version == row_id_map._version:
-        return routes
-    token, expert = (row_id_map >= 0).nonzero(as_tuple=True)
-    routes = token, expert, row_id_map[token, expert].long()
-    if fresh:
+def _remember_routes(row_id_map: torch.Tensor, routes: _Routes) -> None:
+    if not row_id_map.is_inference():
         _last_routes[:] = row_id_map, row_id_map._version, routes
+
+
+def _routes(row_id_map: torch.Tensor) -> _Routes:
+    """The routes of ``row_id_map``, expert-major and in token order within an expert (so each token's
+    routes come in expert order and fp32 sums over them run in one order): the CPU paths' index lists (the
+    device launchers never sync on a route count). The last map's lists are kept: unpermute's forward and
+    its backward's two ops take the map that permute made."""
+    cached, version, routes = _last_routes
+    if cached is row_id_map and version == row_id_map._version and not row_id_map.is_inference():
+        return routes
+    expert, token = (row_id_map >= 0).t().nonzero(as_tuple=True)
+    flat = token * row_id_map.shape[1] + expert
+    row = row_id_map.reshape(-1).index_select(0, flat).long()
+    routes = _Routes(token, row, flat, row.numel() == 0 or int(row[-1]) == row.numel() - 1)
+    _remember_routes(row_id_map, routes)
     return routes
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """``x`` viewed as uint8 where its dtype is a 1-byte float (FP8), whose CPU index_put is missing."""
+    """``x`` viewed as uint8 where its dtype is a 1-byte float (FP8), whose CPU index_copy is missing."""
     return x.view(torch.uint8) if x.is_floating_point() and x.element_size() == 1 else x
+
+
+def _at_pairs(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """fp32 entries of ``x`` [T, E] at the flattened pair indices ``flat``, differentiably."""
+    return x.reshape(-1).index_select(0, flat).float()
+
+
+def _place(values: torch.Tensor, routes: _Routes, num_rows: int) -> torch.Tensor:
+    """[num_rows, ...]: ``values`` (one per route) on the routes' rows, zeros elsewhere; differentiable in
+    ``values`` (FP8 values move as bytes)."""
+    if routes.in_order and routes.row.numel() == num_rows:
+        return values
+    out = values.new_zeros((num_rows, *values.shape[1:]))
+    if values.is_floating_point() and values.element_size() == 1:
+        return out.view(torch.uint8).index_copy_(0, routes.row, values.view(torch.uint8)).view(values.dtype)
+    return out.index_copy(0, routes.row, values)
+
+
+def permute_torch(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs_map: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    pad_multiple: int,
+    num_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``moe_permute``'s five results from a bool ``routing_map`` [T, E] as one PyTorch expression that
+    autograd differentiates: the CPU path in eager mode, where it costs less host time than the custom
+    ops and a Python Function. Syncs on the route count (the CPU has nothing to overlap)."""
+    experts = routing_map.shape[1]
+    expert, token = routing_map.t().nonzero(as_tuple=True)
+    counts = routing_map.sum(dim=0)
+    before = counts.cumsum(0) - counts  # unpadded first row of each expert
+    row = torch.arange(token.numel(), device=tokens.device)
+    first, total = before, token.numel()
+    if pad_multiple > 1:
+        padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+        first = padded.cumsum(0) - padded
+        row = row + (first - before).index_select(0, expert)
+        total = int(first[-1] + padded[-1])
+    rows = num_rows if num_rows > 0 else total
+    in_order = pad_multiple <= 1
+    if rows < total:  # routes past the fixed row count are dropped and no longer counted
+        keep = row < rows
+        token, expert, row = token[keep], expert[keep], row[keep]
+        counts = torch.minimum((rows - first).clamp_(min=0), counts)
+    routes = _Routes(token, row, token * experts + expert, in_order)
+    row_id_map = torch.full((routing_map.shape[0], experts), -1, dtype=torch.int32, device=tokens.device)
+    row_id_map.view(-1).index_copy_(0, routes.flat, row.to(torch.int32))
+    _remember_routes(row_id_map, routes)
+    permuted = _place(tokens.index_select(0, token), routes, rows)
+    probs = _place(_at_pairs(probs_map, routes.flat), routes, rows) if probs_map is not None else None
+    permuted_scales = _place(scales.index_select(0, token), routes, rows) if scales is not None else None
+    return permuted, row_id_map, counts, probs, permuted_scales
+
+
+def merge_rows_torch(y: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``moe_merge_rows`` in PyTorch, differentiable in ``y`` and ``weights``: the CPU path (eager
+    ``moe_unpermute`` calls it under autograd)."""
+    routes = _routes(row_id_map)
+    rows = routes.rows_of(y).float()
+    if weights is not None:
+        rows = rows * _at_pairs(weights, routes.flat)[:, None]
+    out = torch.zeros((row_id_map.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+    return out.index_add_(0, routes.token, rows).to(y.dtype)
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor, fill: float = 0) -> torch.Tensor:
@@ -134,19 +228,14 @@ def moe_scatter_rows_impl(
             x.contiguous(), row_id_map.contiguous(), start.contiguous(), count.contiguous(),
             weights.contiguous() if weights is not None else None, num_rows, scale_rows,
         )  # fmt: skip
-    token, expert, row = _routes(row_id_map)
-    out = x.new_zeros((num_rows, x.shape[1]))
-    rows = x[token]
+    routes = _routes(row_id_map)
+    rows = x.index_select(0, routes.token)
     if weights is None:
-        _as_bytes(out)[row] = _as_bytes(rows)
-        return out, torch.empty(0, dtype=torch.float32, device=x.device)
-    route_weights = weights[token, expert].float()
-    row_weights = torch.zeros(num_rows, dtype=torch.float32, device=x.device)
-    row_weights[row] = route_weights
+        return _place(rows, routes, num_rows), torch.empty(0, dtype=torch.float32, device=x.device)
+    route_weights = _at_pairs(weights, routes.flat)
     if scale_rows:
         rows = (rows.float() * route_weights[:, None]).to(x.dtype)
-    _as_bytes(out)[row] = _as_bytes(rows)
-    return out, row_weights
+    return _place(rows, routes, num_rows), _place(route_weights, routes, num_rows)
 
 
 @moe_scatter_rows_impl.register_fake
@@ -163,12 +252,7 @@ def moe_merge_rows_impl(
     if triton_runs_on(y.device):
         weights = weights.contiguous() if weights is not None else None
         return merge_rows_triton(y.contiguous(), row_id_map.contiguous(), weights)
-    token, expert, row = _routes(row_id_map)
-    rows = y[row].float()
-    if weights is not None:
-        rows = rows * weights[token, expert].float()[:, None]
-    out = torch.zeros((row_id_map.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
-    return out.index_add_(0, token, rows).to(y.dtype)
+    return merge_rows_torch(y, row_id_map, weights)
 
 
 @moe_merge_rows_impl.register_fake
@@ -181,9 +265,10 @@ def moe_route_dots_impl(g: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tens
     """fp32 [T, E]: ``<g[t], y[row_id_map[t, e]]>`` for routed pairs, 0 elsewhere (merge-weight gradient)."""
     if triton_runs_on(g.device):
         return route_dots_triton(g.contiguous(), y.contiguous(), row_id_map.contiguous())
-    token, expert, row = _routes(row_id_map)
+    routes = _routes(row_id_map)
+    dots = (routes.rows_of(y).float() * g.index_select(0, routes.token).float()).sum(-1)
     out = torch.zeros(row_id_map.shape, dtype=torch.float32, device=g.device)
-    out[token, expert] = (y[row].float() * g[token].float()).sum(-1)
+    out.view(-1).index_copy_(0, routes.flat, dots)
     return out
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.custom_op import call_op, direct_call_allowed
 from primus_turbo.pytorch.core.validation import check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.moe.permute_impl import (
+    merge_rows_torch,
     moe_expert_bounds_impl,
     moe_expert_layout_impl,
     moe_merge_rows_impl,
     moe_route_dots_impl,
     moe_scatter_rows_impl,
+    permute_torch,
+    permute_uses_triton,
 )
 
 __all__ = ["moe_permute", "moe_unpermute", "tokens_per_expert_to_mask"]
@@ -158,11 +161,15 @@ def moe_permute(
     if scales is not None and (scales.dim() != 2 or scales.shape[0] != tokens.shape[0]):
         raise ValueError(f"scales must be [{tokens.shape[0]}, S], got {tuple(scales.shape)}")
     routing, index = _routing_map(expert_map, num_local_experts)
+    probs_map = _probs_map(probs, index, num_local_experts) if probs is not None else None
+    if not permute_uses_triton(tokens) and direct_call_allowed(tokens, routing, probs_map, scales):
+        # the CPU in eager mode: PyTorch's autograd of one expression costs less host time than the custom
+        # ops and a Python Function
+        return permute_torch(tokens, routing, probs_map, scales, pad_multiple, num_permuted_tokens)
     row_id_map, tokens_per_expert, start = call_op(
         moe_expert_layout_impl, routing, pad_multiple, num_permuted_tokens
     )
     rows = num_permuted_tokens if num_permuted_tokens > 0 else int(start[-1].item())
-    probs_map = _probs_map(probs, index, num_local_experts) if probs is not None else None
     scatter = _PermuteFunction.apply if _needs_grad(tokens, probs_map) else _scatter_tokens
     permuted, permuted_probs = scatter(tokens, probs_map, row_id_map, start, tokens_per_expert, rows)
     permuted_scales = None
@@ -202,6 +209,8 @@ def moe_unpermute(
             raise ValueError(f"probs must be [T, E] = {tuple(row_id_map.shape)} (or pass topk_indices)")
         else:
             probs_map = probs
+    if not permute_uses_triton(permuted) and direct_call_allowed(permuted, row_id_map, probs_map):
+        return merge_rows_torch(permuted, row_id_map, probs_map)  # the CPU in eager mode, as moe_permute
     if _needs_grad(permuted, probs_map):
         return _UnpermuteFunction.apply(permuted.contiguous(), probs_map, row_id_map)
     return call_op(moe_merge_rows_impl, permuted.contiguous(), row_id_map, probs_map)
