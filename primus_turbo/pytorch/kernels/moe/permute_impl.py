@@ -31,6 +31,7 @@ __all__ = [
     "moe_merge_rows_impl",
     "moe_route_dots_impl",
     "moe_scatter_rows_impl",
+    "padded_counts",
     "permute_torch",
     "permute_uses_triton",
     "take_rows",
@@ -42,18 +43,28 @@ def permute_uses_triton(x: torch.Tensor) -> bool:
     return triton_runs_on(x.device)
 
 
+def padded_counts(counts: torch.Tensor, pad_multiple: int) -> torch.Tensor:
+    """Each expert's row count in the layout: ``counts`` rounded up to a multiple of ``pad_multiple``."""
+    return counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+
+
+def _kept_counts(counts: torch.Tensor, first_row: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Routes per expert that fit below a fixed row count ``num_rows``, from each expert's first row."""
+    return torch.minimum((num_rows - first_row).clamp_(min=0), counts)
+
+
 def _expert_layout_torch(
     routing_map: torch.Tensor, pad_multiple: int, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = routing_map.sum(dim=0)
-    padded = counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = padded_counts(counts, pad_multiple)
     ends = padded.cumsum(0)
     first_row = ends - padded
     rank = routing_map.cumsum(0, dtype=torch.int32)  # routes of each expert up to this token, inclusive
     dest = torch.where(routing_map, rank + (first_row - 1).to(torch.int32), -1)
     if num_rows > 0:  # routes past the fixed row count are dropped and no longer counted
         dest.masked_fill_(dest >= num_rows, -1)
-        counts = torch.minimum((num_rows - first_row).clamp_(min=0), counts)
+        counts = _kept_counts(counts, first_row, num_rows)
     return dest, counts, torch.cat([first_row, ends[-1:]]).to(torch.int32)
 
 
@@ -133,11 +144,6 @@ def _routes(row_id_map: torch.Tensor) -> _Routes:
     return routes
 
 
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """``x`` viewed as uint8 where its dtype is a 1-byte float (FP8), whose CPU index_copy is missing."""
-    return x.view(torch.uint8) if x.is_floating_point() and x.element_size() == 1 else x
-
-
 def _at_pairs(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """fp32 entries of ``x`` [T, E] at the flattened pair indices ``flat``, differentiably."""
     return x.reshape(-1).index_select(0, flat).float()
@@ -149,7 +155,7 @@ def _place(values: torch.Tensor, routes: _Routes, num_rows: int) -> torch.Tensor
     if routes.in_order and routes.row.numel() == num_rows:
         return values
     out = values.new_zeros((num_rows, *values.shape[1:]))
-    if values.is_floating_point() and values.element_size() == 1:
+    if values.is_floating_point() and values.element_size() == 1:  # FP8, whose CPU index_copy is missing
         return out.view(torch.uint8).index_copy_(0, routes.row, values.view(torch.uint8)).view(values.dtype)
     return out.index_copy(0, routes.row, values)
 
@@ -168,20 +174,18 @@ def permute_torch(
     experts = routing_map.shape[1]
     expert, token = routing_map.t().nonzero(as_tuple=True)
     counts = routing_map.sum(dim=0)
-    before = counts.cumsum(0) - counts  # unpadded first row of each expert
+    padded = padded_counts(counts, pad_multiple)
+    first = padded.cumsum(0) - padded
     row = torch.arange(token.numel(), device=tokens.device)
-    first, total = before, token.numel()
-    if pad_multiple > 1:
-        padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
-        first = padded.cumsum(0) - padded
-        row = row + (first - before).index_select(0, expert)
+    in_order, total = pad_multiple <= 1, token.numel()
+    if not in_order:  # shift each expert's routes by the padding of the experts before it
+        row = row + (first - (counts.cumsum(0) - counts)).index_select(0, expert)
         total = int(first[-1] + padded[-1])
     rows = num_rows if num_rows > 0 else total
-    in_order = pad_multiple <= 1
     if rows < total:  # routes past the fixed row count are dropped and no longer counted
         keep = row < rows
         token, expert, row = token[keep], expert[keep], row[keep]
-        counts = torch.minimum((rows - first).clamp_(min=0), counts)
+        counts = _kept_counts(counts, first, rows)
     routes = _Routes(token, row, token * experts + expert, in_order)
     row_id_map = torch.full((routing_map.shape[0], experts), -1, dtype=torch.int32, device=tokens.device)
     row_id_map.view(-1).index_copy_(0, routes.flat, row.to(torch.int32))

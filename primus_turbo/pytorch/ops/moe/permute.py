@@ -19,6 +19,7 @@ from primus_turbo.pytorch.kernels.moe.permute_impl import (
     moe_merge_rows_impl,
     moe_route_dots_impl,
     moe_scatter_rows_impl,
+    padded_counts,
     permute_torch,
     permute_uses_triton,
 )
@@ -222,7 +223,7 @@ def tokens_per_expert_to_mask(
     """bool [num_rows]: which rows of ``moe_permute``'s layout hold a token (False for padding and for rows
     past the last expert), from the unpadded ``tokens_per_expert`` it returned."""
     counts = tokens_per_expert.long()
-    padded = counts if pad_multiple <= 1 else (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+    padded = padded_counts(counts, pad_multiple)
     ends = padded.cumsum(0)
     rows = torch.arange(num_rows, device=counts.device)
     expert = torch.searchsorted(ends, rows, right=True)
