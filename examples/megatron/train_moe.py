@@ -356,8 +356,8 @@ def train(
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     # as Megatron's schedule does each step: the aux losses' gradient scale (1 / micro-batches, no loss
-    # scaling)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 1 / args.micro_batches, device=device))
+    # scaling), with the schedule's shape [1]
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / args.micro_batches, device=device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data_rank = ps.get_data_parallel_rank()
     seq = SIZES[args.size]["seq"]

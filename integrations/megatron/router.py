@@ -138,10 +138,17 @@ class TurboAuxLossScaler:
 
 def track_aux_loss_scale() -> Callable[[], None]:
     """Make ``MoEAuxLossAutoScaler.set_loss_scale`` also record its tensor for ``TurboAuxLossScaler``;
-    returns the undo."""
+    returns the undo.
+
+    Megatron's copies a new scale into the tensor it holds, so a [1] scale (its schedule's) after a 0-dim
+    one (the default its backward creates) fails; a one-element scale is reshaped to the held tensor's
+    shape, which also keeps that tensor, the one captured CUDA graphs read."""
     original = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
 
     def set_loss_scale(scale: torch.Tensor) -> None:
+        held = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if held is not None and held.shape != scale.shape and held.numel() == scale.numel() == 1:
+            scale = scale.reshape(held.shape)
         original.__func__(scale)
         _LOSS_SCALE.tensor = MoEAuxLossAutoScaler.main_loss_backward_scale
 

@@ -211,6 +211,24 @@ def test_aux_loss_scale_tracking_is_undone(megatron):
     assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"] is original
 
 
+def test_aux_loss_scale_of_the_schedule_shape_after_a_scalar_one(megatron):
+    """Megatron's schedule sets a [1] scale; after a 0-dim one (its backward's default, or a caller's) the
+    patched setter keeps the held tensor, which captured graphs read, and writes the new value into it."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    patch = apply_primus_turbo_to_megatron(PrimusTurboConfig(enable_primus_turbo=True), tiny_config())
+    try:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((), 0.5))
+        held = MoEAuxLossAutoScaler.main_loss_backward_scale
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 0.25))
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale is held and held.item() == 0.25
+    finally:
+        patch.undo()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
+
+
 @pytest.mark.parametrize("scale_shape", [(), (1,)], ids=["scalar", "one-element"])
 def test_aux_loss_grad_op(scale_shape):
     """The op under the compiled scaler: Megatron's formula (a one-element scale broadcasts as in its
