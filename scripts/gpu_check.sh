@@ -65,6 +65,8 @@ BENCH_SHARD=${BENCH_SHARD:-0/1}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
+# the scripts import the checkout (and, below, the carried megatron-core)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # The device tool returns at most 8 files: on exit every log and CSV except env.txt and tests.log moves
 # into one archive, named per call so that several calls in one command keep theirs.
 pack() {
@@ -119,7 +121,7 @@ if [ "${HOST:-0}" = 1 ]; then
     | tee "$OUT/bench_host_overhead.log" || status=1
 fi
 if [ "${LAUNCH:-0}" = 1 ]; then
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 300 .venv/bin/python scripts/profile_triton_launch.py --calls 3000 2>&1 \
+  timeout 300 .venv/bin/python scripts/profile_triton_launch.py --calls 3000 2>&1 \
     | tee "$OUT/triton_launch.log" || status=1
   for launcher in triton cached; do
     PRIMUS_TURBO_TRITON_LAUNCHER=$launcher timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python \
@@ -169,12 +171,12 @@ if [ "${SM90_SWEEP:-0}" = 1 ]; then
     -o "$OUT/grouped_sm90_configs.csv" 2>&1 | tee "$OUT/bench_grouped_sm90_configs.log" || status=1
 fi
 if [ "${GROUPED_HOST:-0}" = 1 ]; then
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_HOST_SHAPE:-16x2048x2048x768}" \
+  timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_HOST_SHAPE:-16x2048x2048x768}" \
     --host --rows 20 > "$OUT/profile_grouped_host.log" 2>&1 || status=1
   grep -E "step," "$OUT/profile_grouped_host.log"
 fi
 if [ "${GROUPED_NCU:-0}" = 1 ]; then
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 300 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
+  timeout 300 "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
     --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
     .venv/bin/python scripts/profile_grouped_kernel.py --kernel fp8 --lens 1024,3072 \
     > "$OUT/ncu_grouped.txt" 2>&1 || status=1
@@ -193,7 +195,7 @@ if [ "${ATTN_SWEEP:-0}" = 1 ]; then
     | tee "$OUT/bench_attention_configs.log" || status=1
 fi
 if [ "${ATTN_HOST:-0}" = 1 ]; then
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 300 .venv/bin/python scripts/profile_attention_host.py > "$OUT/attention_host.log" 2>&1 \
+  timeout 300 .venv/bin/python scripts/profile_attention_host.py > "$OUT/attention_host.log" 2>&1 \
     || status=1
   head -n 60 "$OUT/attention_host.log" | cut -c1-160
 fi
@@ -234,7 +236,7 @@ if [ "${E2E:-0}" = 1 ]; then
     | tee "$OUT/bench_megatron_moe_${E2E_SIZE:-small}.log" || status=1
 fi
 if [ "${STEP_PROFILE:-0}" = 1 ]; then
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python scripts/profile_megatron_step.py \
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python scripts/profile_megatron_step.py \
     --size "${E2E_SIZE:-small}" --syncs --cprofile > "$OUT/profile_step_${E2E_SIZE:-small}.log" 2>&1 || status=1
   grep -E "unprofiled|per step|synchronising calls" "$OUT/profile_step_${E2E_SIZE:-small}.log"
 fi
@@ -248,7 +250,7 @@ if [ "${GROUPED:-0}" = 1 ]; then
       --timer "${TIMER:-events}" -o "$OUT/grouped_gemm_fp8_${granularity}.csv" 2>&1 | tee "$OUT/bench_grouped_gemm_fp8_${granularity}.log" \
       || status=1
   done
-  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_PROFILE:-32x2048x4096x7168}" \
+  timeout 300 .venv/bin/python scripts/profile_fp8_step.py --grouped "${GROUPED_PROFILE:-32x2048x4096x7168}" \
     > "$OUT/profile_grouped_fp8.log" 2>&1 || status=1
 fi
 [ "${SKIP_BF16:-0}" = 1 ] && exit $status
