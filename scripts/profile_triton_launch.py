@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import os
 import pstats
 from unittest import mock
@@ -116,17 +117,64 @@ def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list
     return rows
 
 
+def _node_call(fn) -> tuple[object, list[torch.Tensor]] | None:
+    """(the one autograd node behind ``fn``'s differentiable outputs, their output gradients), so that the
+    node's backward can be called on this thread (the engine runs a CUDA backward on its device thread,
+    which cProfile does not see); None when the outputs come from several nodes."""
+    from benchmark.ops.training.bench_host_overhead import _differentiable
+
+    outs = _differentiable(fn())
+    nodes = {id(t.grad_fn) for t in outs}
+    if len(nodes) != 1:
+        return None
+    node = outs[0].grad_fn
+    # a custom Function's node runs its backward through ``apply``; a C++ node is called
+    call = node.apply if isinstance(node, torch.autograd.function.BackwardCFunction) else node
+    return call, [torch.ones_like(t) for t in outs]
+
+
+def backward_split(case, calls: int, device: torch.device) -> list[list]:
+    """Host us of the forward with autograd, the forward + backward through the engine, and the top backward
+    node called directly on this thread, for the op and its peer: where backward host time goes."""
+    from benchmark.ops.training.bench_host_overhead import _backward_step
+
+    rows = []
+    for label, fn in (("turbo", case.turbo), ("peer", case.peer)):
+        if fn is None:
+            continue
+        with torch.enable_grad():
+            fwd = bench_host_us(fn, calls, device, warmup=20)
+            step = bench_host_us(_backward_step(fn, case.leaves), calls, device, warmup=20)
+            node = _node_call(fn)
+            direct = math.nan
+            if node is not None:
+                grad_fn, grads = node
+                try:
+                    direct = bench_host_us(lambda n=grad_fn, g=grads: n(*g), calls, device, warmup=20)
+                except RuntimeError as exc:  # a node whose saved tensors the first call freed
+                    print(f"{case.name} {label}: direct node call failed: {exc}")
+        rows.append([case.name, label, fwd, step, step - fwd, direct])
+    return rows
+
+
 def profile_cases(names: list[str], calls: int, top: int) -> None:
-    """cProfile of ``calls`` forward and forward + backward calls of each named host-bench row."""
+    """cProfile of ``calls`` forward, forward + backward and direct backward-node calls of each named
+    host-bench row, then the backward split of each (``backward_split``)."""
     from benchmark.ops.training.bench_host_overhead import _backward_step, _sync, op_cases
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    split: list[list] = []
     for case in op_cases(device):
         if not any(name == case.name.split()[0] for name in names):
             continue
         steps = [("forward", case.turbo)]
         if not case.fwd_only:
             steps.append(("forward+backward", _backward_step(case.turbo, case.leaves)))
+            with torch.enable_grad():
+                node = _node_call(case.turbo)
+            if node is not None:
+                steps.append(("backward node, called directly", lambda n=node: n[0](*n[1])))
+            split += backward_split(case, calls, device)
         for label, fn in steps:
             grad = label != "forward"
             with torch.set_grad_enabled(grad):
@@ -139,6 +187,8 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
             _sync(device)
             print(f"== {case.name} {label}: {calls} calls")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+    headers = ["op", "side", "fwd (grad) us", "fwd+bwd us", "bwd via engine us", "bwd node direct us"]
+    print(tabulate(split, headers=headers, floatfmt=".1f"))
 
 
 def main() -> None:
