@@ -21,6 +21,7 @@ import cProfile
 import math
 import os
 import pstats
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -117,10 +118,11 @@ def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list
     return rows
 
 
-def _node_call(fn) -> tuple[object, list[torch.Tensor]] | None:
-    """(the one autograd node behind ``fn``'s differentiable outputs, their output gradients), so that the
-    node's backward can be called on this thread (the engine runs a CUDA backward on its device thread,
-    which cProfile does not see); None when the outputs come from several nodes."""
+def _node_call(fn) -> Callable[[], object] | None:
+    """A call of the one autograd node behind ``fn``'s differentiable outputs on their output gradients
+    (the outputs kept alive), so that the node's backward runs on this thread (the engine runs a CUDA
+    backward on its device thread, which cProfile does not see); None when the outputs come from several
+    nodes."""
     from benchmark.ops.training.bench_host_overhead import _differentiable
 
     outs = _differentiable(fn())
@@ -130,7 +132,8 @@ def _node_call(fn) -> tuple[object, list[torch.Tensor]] | None:
     node = outs[0].grad_fn
     # a custom Function's node runs its backward through ``apply``; a C++ node is called
     call = node.apply if isinstance(node, torch.autograd.function.BackwardCFunction) else node
-    return call, [torch.ones_like(t) for t in outs]
+    grads = [torch.ones_like(t) for t in outs]
+    return lambda: (outs, call(*grads))
 
 
 def backward_split(case, calls: int, device: torch.device) -> list[list]:
@@ -148,10 +151,9 @@ def backward_split(case, calls: int, device: torch.device) -> list[list]:
             node = _node_call(fn)
             direct = math.nan
             if node is not None:
-                grad_fn, grads = node
                 try:
-                    direct = bench_host_us(lambda n=grad_fn, g=grads: n(*g), calls, device, warmup=20)
-                except RuntimeError as exc:  # a node whose saved tensors the first call freed
+                    direct = bench_host_us(node, calls, device, warmup=20)
+                except RuntimeError as exc:  # a node whose saved tensors are gone
                     print(f"{case.name} {label}: direct node call failed: {exc}")
         rows.append([case.name, label, fwd, step, step - fwd, direct])
     return rows
@@ -173,12 +175,16 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
             with torch.enable_grad():
                 node = _node_call(case.turbo)
             if node is not None:
-                steps.append(("backward node, called directly", lambda n=node: n[0](*n[1])))
+                steps.append(("backward node, called directly", node))
             split += backward_split(case, calls, device)
         for label, fn in steps:
             grad = label != "forward"
             with torch.set_grad_enabled(grad):
-                bench_host_us(fn, 100, device)
+                try:
+                    bench_host_us(fn, 100, device)
+                except RuntimeError as exc:
+                    print(f"== {case.name} {label}: {exc}")
+                    continue
                 profiler = cProfile.Profile()
                 profiler.enable()
                 for _ in range(calls):
