@@ -153,7 +153,7 @@ def backward_split(case, calls: int, device: torch.device) -> list[list]:
             if node is not None:
                 try:
                     direct = bench_host_us(node, calls, device, warmup=20)
-                except RuntimeError as exc:  # a node whose saved tensors are gone
+                except (RuntimeError, TypeError) as exc:  # saved tensors gone, or more grads expected
                     print(f"{case.name} {label}: direct node call failed: {exc}")
         rows.append([case.name, label, fwd, step, step - fwd, direct])
     return rows
@@ -182,7 +182,7 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
             with torch.set_grad_enabled(grad):
                 try:
                     bench_host_us(fn, 100, device)
-                except RuntimeError as exc:
+                except (RuntimeError, TypeError) as exc:
                     print(f"== {case.name} {label}: {exc}")
                     continue
                 profiler = cProfile.Profile()

@@ -243,6 +243,16 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
     return Float16Module(config, model).to(device)
 
 
+def _add_main_grads(model: torch.nn.Module) -> None:
+    """Move the fp32 ``main_grad`` buffers into ``.grad`` and zero them in place (their addresses are in
+    megatron-core's backward graphs): with ``cuda_graph_impl='local'`` a captured layer adds its weight
+    gradients to ``param.main_grad``, the buffer Megatron's DDP wrapper gives each parameter."""
+    for param in model.parameters():
+        grad = param.main_grad.to(param.dtype)
+        param.grad = grad if param.grad is None else param.grad + grad
+        param.main_grad.zero_()
+
+
 def _reduce_grads(model: torch.nn.Module) -> None:
     """Data-parallel gradient mean (experts over the expert-data-parallel group) and the sum of
     sequence-parallel norm gradients over the TP group: what Megatron's DDP and finalize_model_grads do."""
@@ -359,6 +369,9 @@ def train(
     # scaling), with the schedule's shape [1]
     MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / args.micro_batches, device=device))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if impl == "local":
+        for param in model.parameters():
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
     data_rank = ps.get_data_parallel_rank()
     seq = SIZES[args.size]["seq"]
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
@@ -393,6 +406,8 @@ def train(
         host = time.perf_counter() - start
         _sync(device)
         elapsed = time.perf_counter() - start
+        if impl == "local":
+            _add_main_grads(model)
         _reduce_grads(model)
         optimizer.step()
         # a whole-step graph owns the gradients from its capture on: each replay rewrites them

@@ -187,8 +187,9 @@ def test_torch_fallback_matches_the_kernels(monkeypatch, pad_multiple, num_rows)
 
 @pytest.mark.parametrize(("pad_multiple", "num_rows"), [(0, -1), (8, -1), (4, 9), (0, 40), (0, 50)])
 def test_eager_torch_expression_matches_the_custom_ops(monkeypatch, pad_multiple, num_rows):
-    """The CPU's eager expression (PyTorch autograd, no custom op) gives the custom ops' results bitwise,
-    forward and backward, from top-k indices with dropped routes, padding and fixed row counts."""
+    """The CPU's eager expression (PyTorch autograd, no custom op) gives the custom ops' results bitwise
+    (on a GPU within the atomics' rounding), forward and backward, from top-k indices with dropped routes,
+    padding and fixed row counts."""
     from primus_turbo.pytorch.ops.moe import permute as permute_op
 
     monkeypatch.setattr(impl, "triton_runs_on", lambda device: False)
@@ -210,7 +211,10 @@ def test_eager_torch_expression_matches_the_custom_ops(monkeypatch, pad_multiple
     eager = run()
     monkeypatch.setattr(permute_op, "direct_call_allowed", lambda *tensors: False)
     for mine, theirs in zip(eager, run(), strict=True):
-        assert torch.equal(mine, theirs)
+        if DEVICE == "cpu" or not mine.is_floating_point():
+            assert torch.equal(mine, theirs)
+        else:  # CUDA's index_add, which both expressions use to merge rows, adds in an atomic order
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_torch_fallback_takes_empty_and_fp8_inputs(monkeypatch):
