@@ -13,6 +13,7 @@
 #   LAUNCH=1            host us per launch: Triton's launcher, @cached_launch and the prebuilt compiled handle
 #                       (scripts/profile_triton_launch.py), then bench_host_overhead under each launcher
 #   TEST_PATHS="..."    test paths (default tests), to split the suite over several device calls
+#   TEST_WORKERS=n      pytest-xdist workers (default 8; fewer where memory-hungry tests share the GPU)
 #   LAYOUTS=1           also time each GEMM layout (NN, NT, TN, TT) per backend
 #   BACKENDS=...        benchmark backend labels (default HIPBLASLT,TRITON,AUTO)
 #   SKIP_CSV=path       benchmark only the shapes that CSV lacks (finish a cut-off run)
@@ -101,7 +102,7 @@ make env 2>&1 | tail -n 40 | tee "$OUT/build.log" || status=1
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   export PRIMUS_TURBO_TRITON_AUTOTUNE=0 PRIMUS_TURBO_TRITON_LAUNCH_CHECK=1
-  timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest ${TEST_PATHS:-tests} -n 8 -v --tb=short -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-420}" .venv/bin/python -m pytest ${TEST_PATHS:-tests} -n "${TEST_WORKERS:-8}" -v --tb=short -p no:cacheprovider \
     -p no:benchmark --durations=15 > "$OUT/tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -n 40
   tail -n 40 "$OUT/tests.log"
