@@ -21,6 +21,7 @@ import cProfile
 import math
 import os
 import pstats
+import sys
 from collections.abc import Callable
 from unittest import mock
 
@@ -197,12 +198,96 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
     print(tabulate(split, headers=headers, floatfmt=".1f"))
 
 
+class _TorchBackward(torch.autograd.Function):
+    """``2 x`` with a Python backward of one PyTorch op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _TritonBackward(torch.autograd.Function):
+    """``2 x`` with a Python backward of one Triton launch (``kernel[grid]``, the launcher in effect)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad)
+        _CACHED_SCALE[(triton.cdiv(grad.numel(), 1024),)](grad, out, grad.numel(), 2.0, BLOCK=1024)
+        return out
+
+
+class _PassBackward(torch.autograd.Function):
+    """``2 x`` with a Python backward that launches nothing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+_CACHED_SCALE = cached_launch(_scale_kernel)
+
+
+def engine_costs(calls: int) -> None:
+    """Host us of forward + backward through autograd's engine for one C++ node against one Python node
+    whose backward runs nothing, one PyTorch op or one Triton launch, and two chained Python nodes; and
+    the same backward bodies called on this thread. Separates the engine's price of a Python node (the
+    device thread, the GIL) from what the backward itself costs."""
+    import threading
+
+    x = torch.randn(4096, device="cuda", requires_grad=True)
+    g = torch.ones(4096, device="cuda")
+    variants = {
+        "C++ node (x * 2)": lambda: x * 2.0,
+        "Python node, no op": lambda: _PassBackward.apply(x),
+        "Python node, 1 torch op": lambda: _TorchBackward.apply(x),
+        "Python node, 1 Triton launch": lambda: _TritonBackward.apply(x),
+        "2 Python nodes, 1 torch op each": lambda: _TorchBackward.apply(_TorchBackward.apply(x)),
+        "2 C++ nodes": lambda: (x * 2.0) * 2.0,
+    }
+    rows = []
+    for label, fn in variants.items():
+        fwd = host_us(fn, calls)
+
+        def step(fn=fn):
+            torch.autograd.backward(fn(), g)
+            x.grad = None
+
+        both = host_us(step, calls)
+        rows.append([label, fwd, both, both - fwd])
+    direct = {
+        "torch op": lambda: g * 2.0,
+        "Triton launch": lambda: _TritonBackward.backward(None, g),
+    }
+    for label, fn in direct.items():
+        rows.append([f"backward body on this thread: {label}", math.nan, host_us(fn, calls), math.nan])
+    names = [t.name for t in threading.enumerate()]
+    print(f"python threads: {names}, switch interval {sys.getswitchinterval()}")
+    headers = ["variant", "fwd us", "fwd+bwd us", "bwd us"]
+    print(tabulate(rows, headers=headers, floatfmt=".1f"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000)
     p.add_argument("--cprofile", default="", help="comma-separated bench_host_overhead op names to profile")
     p.add_argument("--top", type=int, default=25, help="functions printed per profile")
+    p.add_argument("--engine", action="store_true", help="the engine's cost of a Python node")
     args = p.parse_args()
+    if args.engine:
+        engine_costs(args.calls)
+        return
     if args.cprofile:
         profile_cases([n.strip() for n in args.cprofile.split(",") if n.strip()], args.calls, args.top)
         return
