@@ -242,8 +242,9 @@ _CACHED_SCALE = cached_launch(_scale_kernel)
 def engine_costs(calls: int) -> None:
     """Host us of forward + backward through autograd's engine for one C++ node against one Python node
     whose backward runs nothing, one PyTorch op or one Triton launch, and two chained Python nodes; and
-    the same backward bodies called on this thread. Separates the engine's price of a Python node (the
-    device thread, the GIL) from what the backward itself costs."""
+    the same backward bodies called on this thread; each with the engine's device thread and with the
+    backward kept on the calling thread (``torch.autograd.set_multithreading_enabled(False)``). Separates
+    the engine's price of a Python node (the device thread, the GIL) from what the backward itself costs."""
     import threading
 
     x = torch.randn(4096, device="cuda", requires_grad=True)
@@ -265,16 +266,18 @@ def engine_costs(calls: int) -> None:
             x.grad = None
 
         both = host_us(step, calls)
-        rows.append([label, fwd, both, both - fwd])
+        with torch.autograd.set_multithreading_enabled(False):
+            here = host_us(step, calls)
+        rows.append([label, fwd, both, both - fwd, here, here - fwd])
     direct = {
         "torch op": lambda: g * 2.0,
         "Triton launch": lambda: _TritonBackward.backward(None, g),
     }
     for label, fn in direct.items():
-        rows.append([f"backward body on this thread: {label}", math.nan, host_us(fn, calls), math.nan])
+        rows.append([f"backward body on this thread: {label}", math.nan, host_us(fn, calls), *[math.nan] * 3])
     names = [t.name for t in threading.enumerate()]
     print(f"python threads: {names}, switch interval {sys.getswitchinterval()}")
-    headers = ["variant", "fwd us", "fwd+bwd us", "bwd us"]
+    headers = ["variant", "fwd us", "fwd+bwd us", "bwd us", "fwd+bwd, calling thread", "bwd, calling thread"]
     print(tabulate(rows, headers=headers, floatfmt=".1f"))
 
 

@@ -31,6 +31,8 @@ VARIANTS = {
     "turbo-fp8-blockwise-mb4": [*BLOCKWISE, "--micro-batches", "4"],
     "turbo-bf16-compiled": ["--compile"],
     "turbo-bf16-graph": ["--cuda-graph"],
+    # the eager step with each backward on the calling thread instead of autograd's device thread
+    "turbo-bf16-caller-thread": ["--compare", "--backward-thread", "caller"],
     "turbo-fp8-blockwise-graph": [*BLOCKWISE, "--cuda-graph"],
     "turbo-fp8-blockwise-hpwgrad-graph": [*BLOCKWISE, *HP_WGRAD, "--cuda-graph"],
     "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],
@@ -102,7 +104,9 @@ def main() -> None:
             print(f"{variant}: skipped (the example's CUDA graphs are one-GPU only)", flush=True)
             continue
         for run, values in _run(variant, VARIANTS[variant], args, folder).items():
-            results["local" if run == "local" else variant] = values
+            # the local spec of the first variant is the baseline; another variant's local run keeps its name
+            name = variant if run != "local" else "local" if "local" not in results else f"local ({variant})"
+            results[name] = values
     base = results.get("local")
     table = []
     for name, values in results.items():

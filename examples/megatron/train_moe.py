@@ -128,6 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="micro-batches per step (gradient accumulation); FP8 weights are quantized on the first only",
     )
+    parser.add_argument(
+        "--backward-thread",
+        choices=["device", "caller"],
+        default="device",
+        help="where autograd runs a GPU backward: PyTorch's per-device worker thread (its default) or the "
+        "thread that calls backward (torch.autograd.set_multithreading_enabled(False)), which saves the "
+        "hand-off between the two on every backward call; applies to every model trained",
+    )
     parser.add_argument("--csv", default=None, help="write per-step rows here")
     add_primus_turbo_args(parser)
     args = parser.parse_args(argv)
@@ -457,6 +465,8 @@ def _describe(model: torch.nn.Module) -> str:
 
 def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
     warnings.filterwarnings("ignore")
+    if args.backward_thread == "caller":
+        torch.autograd.set_multithreading_enabled(False)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     gpu = torch.cuda.is_available()
     if gpu:
