@@ -31,8 +31,8 @@ VARIANTS = {
     "turbo-fp8-blockwise-mb4": [*BLOCKWISE, "--micro-batches", "4"],
     "turbo-bf16-compiled": ["--compile"],
     "turbo-bf16-graph": ["--cuda-graph"],
-    # the eager step with each backward on the calling thread instead of autograd's device thread
-    "turbo-bf16-caller-thread": ["--compare", "--backward-thread", "caller"],
+    # the eager step with each backward on autograd's device thread (PyTorch's default), not the caller's
+    "turbo-bf16-device-thread": ["--no-turbo-backward-on-caller-thread"],
     "turbo-fp8-blockwise-graph": [*BLOCKWISE, "--cuda-graph"],
     "turbo-fp8-blockwise-hpwgrad-graph": [*BLOCKWISE, *HP_WGRAD, "--cuda-graph"],
     "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],

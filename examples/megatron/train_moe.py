@@ -17,6 +17,7 @@ experts top-2, sequence 4096) on ``--nproc`` GPUs, and ``--size finegrained`` a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import logging
 import os
@@ -127,14 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="micro-batches per step (gradient accumulation); FP8 weights are quantized on the first only",
-    )
-    parser.add_argument(
-        "--backward-thread",
-        choices=["device", "caller"],
-        default="device",
-        help="where autograd runs a GPU backward: PyTorch's per-device worker thread (its default) or the "
-        "thread that calls backward (torch.autograd.set_multithreading_enabled(False)), which saves the "
-        "hand-off between the two on every backward call; applies to every model trained",
     )
     parser.add_argument("--csv", default=None, help="write per-step rows here")
     add_primus_turbo_args(parser)
@@ -465,8 +458,6 @@ def _describe(model: torch.nn.Module) -> str:
 
 def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
     warnings.filterwarnings("ignore")
-    if args.backward_thread == "caller":
-        torch.autograd.set_multithreading_enabled(False)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     gpu = torch.cuda.is_available()
     if gpu:
@@ -511,7 +502,11 @@ def _worker(rank: int, args: argparse.Namespace, store: str) -> None:
             print(f"[{name}] {args.size} model, {args.nproc} process(es), TP {args.tp}, EP {ep}")
             print(_describe(models[name]), flush=True)
         impl = args.cuda_graph_impl if name != "local" else "none"
-        results[name] = train(models[name], args, rank, device, impl)
+        # the local spec keeps PyTorch's backward threading; the patch moved Turbo's to the calling thread
+        # (--no-turbo-backward-on-caller-thread keeps PyTorch's for both)
+        threads = torch.autograd.set_multithreading_enabled
+        with threads(True) if name == "local" else contextlib.nullcontext():
+            results[name] = train(models[name], args, rank, device, impl)
     if rank == 0:
         _report(results, args)
     dist.barrier()

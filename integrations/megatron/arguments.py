@@ -69,4 +69,12 @@ def add_primus_turbo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="under --fp8, the experts' weight gradients in FP8 (default); --no-turbo-fp8-expert-wgrad "
         "computes them in the parameters' dtype, faster where each expert sees few tokens",
     )
+    group.add_argument(
+        "--turbo-backward-on-caller-thread",
+        action=argparse.BooleanOptionalAction,
+        default=PrimusTurboConfig.turbo_backward_on_caller_thread,
+        help="run each backward on the thread that calls it, not autograd's per-GPU worker thread "
+        "(default; saves host time per backward node); --no-turbo-backward-on-caller-thread keeps "
+        "PyTorch's default",
+    )
     return parser

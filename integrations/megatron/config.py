@@ -68,6 +68,10 @@ class PrimusTurboConfig:
     receive buffers for the worst case, so dispatch never waits for the host. Under ``fp8``,
     ``turbo_fp8_expert_wgrad=False`` computes the experts' weight gradients in the parameters' dtype
     (forward and dgrad stay FP8): faster where each expert sees few tokens.
+    ``turbo_backward_on_caller_thread`` (default on) runs each backward on the thread that calls it
+    (``torch.autograd.set_multithreading_enabled(False)``) instead of autograd's per-GPU worker thread: a
+    Megatron rank drives one GPU, so the hand-off between the two threads buys nothing and costs host time
+    on every backward node.
     """
 
     enable_primus_turbo: bool = False
@@ -86,6 +90,7 @@ class PrimusTurboConfig:
     use_turbo_autotune: bool = False
     turbo_num_worst_tokens: int = 0
     turbo_fp8_expert_wgrad: bool = True
+    turbo_backward_on_caller_thread: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_primus_turbo, bool):
@@ -105,6 +110,11 @@ class PrimusTurboConfig:
             )
         if not isinstance(self.turbo_fp8_expert_wgrad, bool):
             raise TypeError(f"turbo_fp8_expert_wgrad must be a bool, got {self.turbo_fp8_expert_wgrad!r}")
+        if not isinstance(self.turbo_backward_on_caller_thread, bool):
+            raise TypeError(
+                "turbo_backward_on_caller_thread must be a bool, "
+                f"got {self.turbo_backward_on_caller_thread!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PrimusTurboConfig:
@@ -150,12 +160,14 @@ class ResolvedTurbo:
     fp8: Float8QuantConfig | None = None
     num_worst_tokens: int = 0
     fp8_expert_wgrad: bool = True
+    backward_on_caller_thread: bool = False
 
     def describe(self) -> str:
         on = [name for name in (f.removeprefix("use_turbo_") for f in FEATURES) if getattr(self, name)]
         fp8 = f", fp8 {self.fp8.granularity.name.lower()}/{self.fp8.format.name}" if self.fp8 else ""
         fp8 += ", experts' wgrad in high precision" if self.fp8 and not self.fp8_expert_wgrad else ""
-        return f"Primus-Turbo fills: {', '.join(on) or 'nothing'}{fp8}"
+        thread = ", backward on the calling thread" if self.backward_on_caller_thread else ""
+        return f"Primus-Turbo fills: {', '.join(on) or 'nothing'}{fp8}{thread}"
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -282,4 +294,5 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         fp8=fp8,
         num_worst_tokens=turbo.turbo_num_worst_tokens,
         fp8_expert_wgrad=turbo.turbo_fp8_expert_wgrad,
+        backward_on_caller_thread=turbo.turbo_backward_on_caller_thread,
     )

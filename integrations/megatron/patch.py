@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from megatron.core.extensions.transformer_engine import HAVE_TE
 
 from primus_turbo.integrations.megatron.compat import check_supported_version
@@ -54,6 +55,7 @@ class TurboPatch:
     _backend_ops: list[str] = field(default_factory=list)
     _auto_tune: bool = False
     _untrack_loss_scale: Callable[[], None] | None = None
+    _multithreading: bool | None = None  # autograd's setting before the patch, where the patch changed it
     active: bool = True
 
     def undo(self) -> None:
@@ -70,6 +72,8 @@ class TurboPatch:
             GlobalBackendManager.set_backend(op, None)
         if self._auto_tune:
             GlobalBackendManager.set_auto_tune(None)
+        if self._multithreading is not None:
+            torch.autograd.set_multithreading_enabled(self._multithreading)
         TurboFlexTokenDispatcher.num_worst_tokens = 0
         TurboLinear.async_tp = False
         TurboGroupedLinear.fp8_wgrad = True
@@ -152,6 +156,9 @@ def apply_primus_turbo_to_megatron(
     TurboGroupedLinear.fp8_wgrad = features.fp8_expert_wgrad
     set_active_features(features)
     _set_backends(turbo, patch)
+    if features.backward_on_caller_thread:
+        patch._multithreading = torch._C._is_multithreading_enabled()
+        torch.autograd.set_multithreading_enabled(False)  # takes effect on construction, process-wide
     _applied[:] = [patch]
     slots = TurboSpecProvider(features).describe()
     if features.deepep:

@@ -211,6 +211,20 @@ def test_aux_loss_scale_tracking_is_undone(megatron):
     assert MoEAuxLossAutoScaler.__dict__["set_loss_scale"] is original
 
 
+@pytest.mark.parametrize("caller_thread", [True, False], ids=["caller-thread", "device-thread"])
+def test_backward_thread_is_set_and_undone(megatron, caller_thread):
+    """The patch keeps backward on the calling thread (unless told not to) and undo restores autograd's
+    setting."""
+    config = PrimusTurboConfig(enable_primus_turbo=True, turbo_backward_on_caller_thread=caller_thread)
+    with torch.autograd.set_multithreading_enabled(True):
+        patch = apply_primus_turbo_to_megatron(config, tiny_config())
+        try:
+            assert torch._C._is_multithreading_enabled() is not caller_thread
+        finally:
+            patch.undo()
+        assert torch._C._is_multithreading_enabled()
+
+
 def test_aux_loss_scale_of_the_schedule_shape_after_a_scalar_one(megatron):
     """Megatron's schedule sets a [1] scale; after a 0-dim one (its backward's default, or a caller's) the
     patched setter keeps the held tensor, which captured graphs read, and writes the new value into it."""

@@ -133,6 +133,16 @@ def test_high_precision_expert_wgrad_needs_fp8_experts():
         resolve(turbo, _megatron(fp8="e4m3", fp8_recipe="blockwise", moe_grouped_gemm=False))
 
 
+def test_backward_on_caller_thread_flag():
+    """On by default with the switch, off with ``--no-turbo-backward-on-caller-thread``; nothing without the
+    switch."""
+    on = resolve(PrimusTurboConfig.from_args(_parse("--enable-primus-turbo")), _megatron())
+    assert on.backward_on_caller_thread and "calling thread" in on.describe()
+    off = PrimusTurboConfig.from_args(_parse("--enable-primus-turbo", "--no-turbo-backward-on-caller-thread"))
+    assert not resolve(off, _megatron()).backward_on_caller_thread
+    assert not resolve(PrimusTurboConfig(), _megatron()).backward_on_caller_thread
+
+
 def test_a_feature_without_the_switch_raises():
     with pytest.raises(ValueError, match="needs enable_primus_turbo"):
         PrimusTurboConfig(use_turbo_gemm=True)
@@ -149,6 +159,8 @@ def test_bad_values_raise():
         PrimusTurboConfig(enable_primus_turbo=True, turbo_num_worst_tokens=-1)
     with pytest.raises(TypeError, match="turbo_fp8_expert_wgrad"):
         PrimusTurboConfig(enable_primus_turbo=True, turbo_fp8_expert_wgrad="no")
+    with pytest.raises(TypeError, match="turbo_backward_on_caller_thread"):
+        PrimusTurboConfig(enable_primus_turbo=True, turbo_backward_on_caller_thread=1)
 
 
 def test_from_dict_rejects_unknown_keys():
