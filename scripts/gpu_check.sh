@@ -7,7 +7,8 @@
 #   SKIP_BENCH=1        tests only
 #   SKIP_OVERHEAD=1     skip the host-time-per-call benchmark
 #   HOST=1              host microseconds per call of every public op and Megatron Turbo module against its
-#                       PyTorch peer (bench_host_overhead.py; HOST_ONLY, op-name filter)
+#                       PyTorch peer (bench_host_overhead.py; HOST_ONLY, op-name filter; BACKWARD_THREAD=caller
+#                       runs each backward on the calling thread, as the Megatron integration does)
 #   LAUNCHER=cached     launch @cached_launch kernels from their per-key cache in tests and benchmarks
 #                       (PRIMUS_TURBO_TRITON_LAUNCHER; the tests also check every cached launch against Triton)
 #   LAUNCH=1            host us per launch: Triton's launcher, @cached_launch and the prebuilt compiled handle
@@ -118,7 +119,7 @@ if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
 fi
 if [ "${HOST:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_host_overhead \
-    ${HOST_ONLY:+--only "$HOST_ONLY"} -o "$OUT/host_overhead.csv" 2>&1 | grep -v Warning \
+    ${HOST_ONLY:+--only "$HOST_ONLY"} --backward-thread "${BACKWARD_THREAD:-device}" -o "$OUT/host_overhead.csv" 2>&1 | grep -v Warning \
     | tee "$OUT/bench_host_overhead.log" || status=1
 fi
 if [ "${LAUNCH:-0}" = 1 ]; then

@@ -593,6 +593,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated substrings of op names to keep")
     p.add_argument("--no-modules", action="store_true", help="skip the Megatron module rows")
+    p.add_argument(
+        "--backward-thread",
+        choices=["device", "caller"],
+        default="device",
+        help="where autograd runs a GPU backward: its per-device worker thread (PyTorch's default) or the "
+        "calling thread (what the Megatron integration sets); op and peer alike",
+    )
     p.add_argument("-o", "--output", default="", help="CSV path")
     args = p.parse_args(argv)
 
@@ -600,7 +607,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     torch.manual_seed(0)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     rows: list[dict[str, object]] = []
-    with _one_rank_group(device):
+    threads = torch.autograd.set_multithreading_enabled(args.backward_thread == "device")
+    with threads, _one_rank_group(device):
         cases = op_cases(device) + dispatch_cases(device)
         if not args.no_modules:
             from benchmark.ops.training.bench_host_modules import module_cases
@@ -613,7 +621,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 rows.append(measure(case, args.calls, args.rounds, device))
             except Exception as exc:  # one op that cannot run here (a missing kernel) must not hide the rest
                 _log.warning("%s: %s: %s", case.name, type(exc).__name__, exc)
-    print(f"host us per call, {platform_name(device.type)}, torch {torch.__version__}")
+    print(
+        f"host us per call, {platform_name(device.type)}, torch {torch.__version__}, "
+        f"backward on the {args.backward_thread} thread"
+    )
     print(_table(rows))
     if args.output and rows:
         _write_csv(args.output, rows)
