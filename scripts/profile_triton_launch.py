@@ -198,34 +198,8 @@ def profile_cases(names: list[str], calls: int, top: int) -> None:
     print(tabulate(split, headers=headers, floatfmt=".1f"))
 
 
-class _TorchBackward(torch.autograd.Function):
-    """``2 x`` with a Python backward of one PyTorch op."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2.0
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2.0
-
-
-class _TritonBackward(torch.autograd.Function):
-    """``2 x`` with a Python backward of one Triton launch (``kernel[grid]``, the launcher in effect)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2.0
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = torch.empty_like(grad)
-        _CACHED_SCALE[(triton.cdiv(grad.numel(), 1024),)](grad, out, grad.numel(), 2.0, BLOCK=1024)
-        return out
-
-
 class _PassBackward(torch.autograd.Function):
-    """``2 x`` with a Python backward that launches nothing."""
+    """``2 x`` with a Python backward that launches nothing (the base of the two below)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -234,6 +208,24 @@ class _PassBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+class _TorchBackward(_PassBackward):
+    """``2 x`` with a Python backward of one PyTorch op."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _TritonBackward(_PassBackward):
+    """``2 x`` with a Python backward of one Triton launch (``kernel[grid]``, the launcher in effect)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad)
+        _CACHED_SCALE[(triton.cdiv(grad.numel(), 1024),)](grad, out, grad.numel(), 2.0, BLOCK=1024)
+        return out
 
 
 _CACHED_SCALE = cached_launch(_scale_kernel)
