@@ -35,14 +35,28 @@ _spec.loader.exec_module(train_moe)
 
 
 def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
-    """cProfile of three eager steps: the top functions by own and by cumulative time."""
-    args.steps = 3
+    """cProfile of three eager forward+backward calls on one batch made beforehand (the example's data
+    generator and the optimizer step stay out of the profile): the top functions by own and by cumulative
+    time."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / args.micro_batches, device=device))
+    step = train_moe.forward_backward_step(model, args, *train_moe.causal_inputs(args, device))
+    tokens = train_moe.synthetic_batch(0, 0, args, device)
+    step(tokens)
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    calls = 3
     profiler = cProfile.Profile()
+    start = time.perf_counter()
     profiler.enable()
-    logs = train_moe.train(model, args, 0, device, impl=args.cuda_graph_impl)
+    for _ in range(calls):
+        step(tokens)
+        model.zero_grad(set_to_none=True)
     profiler.disable()
-    fwd_bwd = sum(log.fwd_bwd_s for log in logs) / len(logs)
-    print(f"cProfile run: fwd+bwd {fwd_bwd * 1e3:.1f} ms per step (profiled)")
+    host = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    print(f"cProfile run: {host * 1e3:.1f} ms of host time per forward+backward (profiled)")
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)

@@ -356,6 +356,29 @@ def megatron_schedule(
     return run
 
 
+def causal_inputs(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position ids [1, seq], the causal attention mask [1, 1, seq, seq], True where masked)."""
+    seq = SIZES[args.size]["seq"]
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
+    return torch.arange(seq, device=device)[None], mask
+
+
+def forward_backward_step(
+    model: torch.nn.Module, args: argparse.Namespace, position_ids: torch.Tensor, mask: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One micro-batch's forward and backward (the loss over ``args.micro_batches``), returning the loss."""
+
+    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
+        (loss / args.micro_batches).backward()
+        # detached: a live autograd graph keeps its parameters' gradient-accumulator nodes, which remember
+        # the stream they were made on, and a CUDA-graph capture must not find the default stream's there
+        return loss.detach()
+
+    return forward_backward
+
+
 def train(
     model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device, impl: str = "none"
 ) -> list[StepLog]:
@@ -374,18 +397,8 @@ def train(
         for param in model.parameters():
             param.main_grad = torch.zeros_like(param, dtype=torch.float32)
     data_rank = ps.get_data_parallel_rank()
-    seq = SIZES[args.size]["seq"]
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
-    position_ids = torch.arange(seq, device=device)[None]
-
-    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        loss = model(inputs, position_ids.expand_as(inputs), mask, labels=labels).float().mean()
-        (loss / args.micro_batches).backward()
-        # detached: a live autograd graph keeps its parameters' gradient-accumulator nodes, which remember
-        # the stream they were made on, and a CUDA-graph capture must not find the default stream's there
-        return loss.detach()
-
+    position_ids, mask = causal_inputs(args, device)
+    forward_backward = forward_backward_step(model, args, position_ids, mask)
     graphed: GraphedStep | None = None
     scheduled = megatron_schedule(model, args, position_ids, mask) if impl in MEGATRON_GRAPH_IMPLS else None
     logs = []
