@@ -6,6 +6,7 @@ kernel; the GPU test launches real kernels both ways and compares the results.""
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -186,6 +187,33 @@ def test_bad_launcher_mode(monkeypatch):
         launch.launcher_mode()
     monkeypatch.setenv(ENV_TRITON_LAUNCHER, " Cached ")
     assert launch.launcher_mode() == "cached"
+
+
+def test_knob_state_follows_code_and_environment(monkeypatch):
+    """The launch key's knob part changes with a Triton knob set in code or through its variable, whether
+    the knob is one of Triton's environment descriptors or a plain attribute."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs, "env_bool"):
+        pytest.skip("this Triton has no environment knobs")
+
+    class Owner:
+        flag = knobs.env_bool("PRIMUS_TURBO_TEST_KNOB")
+
+    owner = Owner()
+    monkeypatch.delenv("PRIMUS_TURBO_TEST_KNOB", raising=False)
+    read = launch._knob_reader(owner, "flag")
+    unset = read()
+    monkeypatch.setenv("PRIMUS_TURBO_TEST_KNOB", "1")
+    from_env = read()
+    assert from_env != unset and owner.flag
+    owner.flag = False  # Triton also writes the variable
+    assert read() not in (unset, from_env) and not owner.flag
+    plain = types.SimpleNamespace(mode="a")
+    read_plain = launch._knob_reader(plain, "mode")
+    assert read_plain() == "a"
+    plain.mode = "b"
+    assert read_plain() == "b"
+    assert launch._knob_reader(plain, "missing")() is None
 
 
 def test_non_jit_functions_pass_through():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -35,6 +34,7 @@ from primus_turbo.common.constants import (
     ENV_GROUPED_GEMM_BACKEND,
     ENV_MOE_DISPATCH_COMBINE_BACKEND,
 )
+from primus_turbo.common.env import env_reader
 from primus_turbo.common.logger import get_logger, log_once
 
 __all__ = [
@@ -86,20 +86,6 @@ _PRECISION_NAMES: dict[str, PrecisionType | None] = {
     "other": None,
 }
 _AUTOTUNE = "autotune"
-
-
-def _env_reader(name: str) -> Callable[[], Any]:
-    """A zero-argument reader of environment variable ``name`` for the per-call settings check.
-
-    On POSIX it reads ``os.environ``'s backing dict with the key encoded once (``os.environ.get``
-    encodes the key on every call, which costs as much as the rest of a cached backend lookup); any
-    change made through ``os.environ`` (``monkeypatch.setenv`` included) shows at once either way.
-    """
-    data = getattr(os.environ, "_data", None)
-    encode = getattr(os.environ, "encodekey", None)
-    if isinstance(data, dict) and encode is not None:
-        return functools.partial(data.get, encode(name))
-    return functools.partial(os.environ.get, name)
 
 
 def precision_of(dtype: torch.dtype) -> PrecisionType:
@@ -191,16 +177,21 @@ class GlobalBackendManager:
     # bumped by every setter and reset: cached backend decisions made under older settings are stale
     _generation: ClassVar[int] = 0
     _env_readers: ClassVar[dict[str, Callable[[], Any]]] = {}
-    _auto_tune_env: ClassVar[Callable[[], Any]] = _env_reader(ENV_AUTO_TUNE)
+    _auto_tune_env: ClassVar[Callable[[], Any]] = env_reader(ENV_AUTO_TUNE)
 
     @classmethod
     def settings_token(cls, op: str) -> tuple[int, Any, Any]:
         """What every backend decision for ``op`` depends on beyond the call itself: equal tokens mean
         a decision made earlier still holds."""
+        return cls._generation, cls._reader(op)(), cls._auto_tune_env()
+
+    @classmethod
+    def _reader(cls, op: str) -> Callable[[], str | None]:
+        """The reader of ``op``'s ``PRIMUS_TURBO_*_BACKEND`` variable."""
         reader = cls._env_readers.get(op)
         if reader is None:
-            reader = cls._env_readers[op] = _env_reader(cls._ENV_BY_OP[op])
-        return cls._generation, reader(), cls._auto_tune_env()
+            reader = cls._env_readers[op] = env_reader(cls._ENV_BY_OP[op])
+        return reader
 
     @classmethod
     def set_backend(
@@ -243,7 +234,7 @@ class GlobalBackendManager:
         if code_table:
             return code_table.get(precision)
         env_name = cls._ENV_BY_OP[op]
-        spec = os.environ.get(env_name, "")
+        spec = cls._reader(op)() or ""
         if not spec.strip():
             return None
         table = parse_backend_spec(spec, env_name, op not in cls._NO_AUTOTUNE_OPS)
@@ -328,7 +319,7 @@ class GlobalBackendManager:
     def auto_tune_enabled(cls) -> bool:
         if cls._auto_tune is not None:
             return cls._auto_tune
-        return os.environ.get(ENV_AUTO_TUNE, "0").strip().lower() in ("1", "true", "on", "yes")
+        return (cls._auto_tune_env() or "0").strip().lower() in ("1", "true", "on", "yes")
 
     @classmethod
     def reset(cls) -> None:

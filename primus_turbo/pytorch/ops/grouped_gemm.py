@@ -10,11 +10,10 @@ check, at the cost of a host sync per call, that ``group_lens`` are non-negative
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from primus_turbo.common.constants import ENV_DEBUG_CHECKS
+from primus_turbo.common.env import env_reader
 from primus_turbo.pytorch.core.custom_op import apply_function, call_op
 from primus_turbo.pytorch.core.fused_wgrad import check_fuse_bgrad_accum_pattern, finish_fused_wgrad
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
@@ -24,6 +23,8 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_impl import (
     grouped_gemm_variable_k_accum_impl,
     grouped_gemm_variable_k_impl,
 )
+
+_debug_checks_env = env_reader(ENV_DEBUG_CHECKS)
 
 __all__ = ["check_grouped_args", "grouped_gemm", "grouped_wgrad"]
 
@@ -75,7 +76,7 @@ def _check_group_sizes(group_lens: torch.Tensor, tokens: int) -> None:
     while compiling (the values are not known then)."""
     if torch.compiler.is_compiling():
         return
-    if group_lens.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
+    if group_lens.device.type != "cpu" and _debug_checks_env() != "1":
         return
     lens = group_lens.tolist()  # one copy (free on the host), then plain Python
     if any(n < 0 for n in lens):

@@ -1,11 +1,11 @@
 """Device facts the launchers need: interpreter mode, SM count and TMA support."""
 
 import functools
-import os
 
 import torch
 
 from primus_turbo.common.constants import ENV_TRITON_AUTOTUNE
+from primus_turbo.common.env import env_reader
 from primus_turbo.common.platform import is_hopper_or_newer
 
 __all__ = [
@@ -20,9 +20,13 @@ __all__ = [
 ]
 
 
+_interpret_env = env_reader("TRITON_INTERPRET")
+_autotune_env = env_reader(ENV_TRITON_AUTOTUNE)
+
+
 def interpreter_active() -> bool:
     """True when Triton kernels run under ``TRITON_INTERPRET=1`` (the CPU test path)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _interpret_env() == "1"
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -40,7 +44,7 @@ def triton_unavailable_reason() -> str | None:
 def kernel_autotune_enabled() -> bool:
     """False under the interpreter (nothing to time) or with ``PRIMUS_TURBO_TRITON_AUTOTUNE=0``:
     kernels then launch one config picked by a heuristic."""
-    return not interpreter_active() and os.environ.get(ENV_TRITON_AUTOTUNE, "1").strip() != "0"
+    return not interpreter_active() and (_autotune_env() or "1").strip() != "0"
 
 
 def _cuda_index(device: torch.device) -> int:

@@ -25,14 +25,15 @@ their values (they are module constants here).
 
 from __future__ import annotations
 
+import functools
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from primus_turbo.common.constants import ENV_TRITON_LAUNCH_CHECK, ENV_TRITON_LAUNCHER
+from primus_turbo.common.env import env_reader
 
 __all__ = ["CachedLaunchKernel", "cached_launch", "launcher_mode"]
 
@@ -55,9 +56,15 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+_launcher_env = env_reader(ENV_TRITON_LAUNCHER)
+_launch_check_env = env_reader(ENV_TRITON_LAUNCH_CHECK)
+
+
 def launcher_mode() -> str:
     """``triton`` or ``cached``, from ``PRIMUS_TURBO_TRITON_LAUNCHER`` (read every call)."""
-    mode = os.environ.get(ENV_TRITON_LAUNCHER, "triton")
+    mode = _launcher_env()
+    if mode is None:
+        return "triton"
     if mode in _MODES:
         return mode
     mode = mode.strip().lower() or "triton"
@@ -75,10 +82,32 @@ def _hooks_idle() -> bool:
     return True
 
 
+_UNSET = object()
+
+
+def _knob_reader(owner: Any, name: str) -> Callable[[], Any]:
+    """A reader of what Triton knob ``owner.name`` depends on: the value set in code (or none) and its
+    environment variable, read raw; equal results mean an equal knob value. A knob that is not one of
+    Triton's environment descriptors is read through its attribute."""
+    descriptor = next((k.__dict__[name] for k in type(owner).__mro__ if name in k.__dict__), None)
+    variable = getattr(descriptor, "key", None)
+    if not isinstance(variable, str):
+        return functools.partial(getattr, owner, name, None)
+    state, env = owner.__dict__, env_reader(variable)
+    return lambda: (state.get(name, _UNSET), env())
+
+
+@functools.cache
+def _knob_readers() -> tuple[Callable[[], Any], ...]:
+    return (
+        _knob_reader(_knobs.runtime, "debug"),
+        *(_knob_reader(_knobs.compilation, name) for name in _OPTION_KNOBS),
+    )
+
+
 def _knob_state() -> tuple:
-    """The knobs Triton folds into a kernel's options on every launch."""
-    compilation = _knobs.compilation
-    return (bool(_knobs.runtime.debug), *(getattr(compilation, name, None) for name in _OPTION_KNOBS))
+    """The knobs Triton folds into a kernel's options on every launch (what their values depend on)."""
+    return tuple(read() for read in _knob_readers())
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -184,7 +213,7 @@ class CachedLaunchKernel:
             if compiled is not None and not hasattr(compiled, "result"):  # not an async-compile future
                 self._cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
             return compiled
-        if os.environ.get(ENV_TRITON_LAUNCH_CHECK) == "1":
+        if _launch_check_env() == "1":
             self._check(entry, key, args, kwargs)
         run, function, metadata, compiled = entry
         size = len(grid)

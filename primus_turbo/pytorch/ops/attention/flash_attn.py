@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from primus_turbo.common.constants import ENV_DEBUG_CHECKS
+from primus_turbo.common.env import env_reader
 from primus_turbo.pytorch.core.custom_op import call_op
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
@@ -22,6 +22,8 @@ from primus_turbo.pytorch.kernels.attention.flash_attn_impl import (
     sdpa_runs,
 )
 from primus_turbo.triton.attention import MAX_HEAD_DIM
+
+_debug_checks_env = env_reader(ENV_DEBUG_CHECKS)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
@@ -218,7 +220,7 @@ def _check_cu_seqlens(cu_q, cu_k, max_q, max_k, tokens_q: int, tokens_k: int, de
     # the offsets' values: where they already are on the host, or when asked; never while compiling
     if torch.compiler.is_compiling():
         return
-    if cu_q.device.type != "cpu" and os.environ.get(ENV_DEBUG_CHECKS, "0") != "1":
+    if cu_q.device.type != "cpu" and _debug_checks_env() != "1":
         return
     for name, cu, tokens, longest in (
         ("cu_seqlens_q", cu_q, tokens_q, max_q),
