@@ -38,9 +38,7 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
     """cProfile of three eager forward+backward calls on one batch made beforehand (the example's data
     generator and the optimizer step stay out of the profile): the top functions by own and by cumulative
     time."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / args.micro_batches, device=device))
+    train_moe.set_aux_loss_scale(args, device)
     step = train_moe.forward_backward_step(model, args, *train_moe.causal_inputs(args, device))
     tokens = train_moe.synthetic_batch(0, 0, args, device)
     step(tokens)

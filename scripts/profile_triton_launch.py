@@ -121,9 +121,8 @@ def _variants(label, kernel, launch_args, constexprs, grid, x, y, calls) -> list
 
 def _node_call(fn) -> Callable[[], object] | None:
     """A call of the one autograd node behind ``fn``'s differentiable outputs on their output gradients
-    (the outputs kept alive), so that the node's backward runs on this thread (the engine runs a CUDA
-    backward on its device thread, which cProfile does not see); None when the outputs come from several
-    nodes."""
+    (the outputs kept alive), so that the node's backward alone is timed and profiled on this thread,
+    without the engine; None when the outputs come from several nodes."""
     from benchmark.ops.training.bench_host_overhead import _differentiable
 
     outs = _differentiable(fn())

@@ -104,9 +104,7 @@ def main() -> None:
             print(f"{variant}: skipped (the example's CUDA graphs are one-GPU only)", flush=True)
             continue
         for run, values in _run(variant, VARIANTS[variant], args, folder).items():
-            # the local spec of the first variant is the baseline; another variant's local run keeps its name
-            name = variant if run != "local" else "local" if "local" not in results else f"local ({variant})"
-            results[name] = values
+            results["local" if run == "local" else variant] = values
     base = results.get("local")
     table = []
     for name, values in results.items():

@@ -356,6 +356,14 @@ def megatron_schedule(
     return run
 
 
+def set_aux_loss_scale(args: argparse.Namespace, device: torch.device) -> None:
+    """As Megatron's schedule does each step: the aux losses' gradient scale (1 / micro-batches, no loss
+    scaling), with the schedule's shape [1]."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / args.micro_batches, device=device))
+
+
 def causal_inputs(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(position ids [1, seq], the causal attention mask [1, 1, seq, seq], True where masked)."""
     seq = SIZES[args.size]["seq"]
@@ -387,11 +395,8 @@ def train(
     graph of the forward+backward after ``args.warmup`` steps; "local" and "full_iteration" run the
     step through megatron-core's schedule, which captures and replays its own graphs."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    # as Megatron's schedule does each step: the aux losses' gradient scale (1 / micro-batches, no loss
-    # scaling), with the schedule's shape [1]
-    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 1 / args.micro_batches, device=device))
+    set_aux_loss_scale(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     if impl == "local":
         for param in model.parameters():
