@@ -34,10 +34,11 @@ sys.modules["train_moe"] = train_moe  # dataclasses look their module up while t
 _spec.loader.exec_module(train_moe)
 
 
-def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
+def _python_profile(model: torch.nn.Module, args, device: torch.device, dump: str) -> None:
     """cProfile of three eager forward+backward calls on one batch made beforehand (the example's data
     generator and the optimizer step stay out of the profile): the top functions by own and by cumulative
-    time."""
+    time; the raw statistics go to ``dump`` when given (``pstats.Stats(dump).print_callees(...)`` reads
+    them on any machine)."""
     train_moe.set_aux_loss_scale(args, device)
     step = train_moe.forward_backward_step(model, args, *train_moe.causal_inputs(args, device))
     tokens = train_moe.synthetic_batch(0, 0, args, device)
@@ -55,6 +56,8 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device) -> None:
     host = (time.perf_counter() - start) / calls
     torch.cuda.synchronize()
     print(f"cProfile run: {host * 1e3:.1f} ms of host time per forward+backward (profiled)")
+    if dump:
+        profiler.dump_stats(dump)
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
@@ -88,6 +91,7 @@ def _sync_report(model: torch.nn.Module, args, device: torch.device) -> None:
 def main() -> None:
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     own.add_argument("--cprofile", action="store_true")
+    own.add_argument("--pstats", default="", help="with --cprofile: write the raw statistics to this file")
     own.add_argument("--syncs", action="store_true", help="list the synchronising calls of one step")
     own.add_argument("--rows", type=int, default=30, help="kernels listed by GPU time")
     mine, rest = own.parse_known_args()
@@ -115,7 +119,7 @@ def main() -> None:
         if mine.syncs:
             _sync_report(model, args, device)
         if cprofile:
-            _python_profile(model, args, device)
+            _python_profile(model, args, device, mine.pstats)
         args.steps = 3
         torch.cuda.synchronize()
         start = time.perf_counter()
