@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,32 @@ _spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / 
 train_moe = importlib.util.module_from_spec(_spec)
 sys.modules["train_moe"] = train_moe  # dataclasses look their module up while the file executes
 _spec.loader.exec_module(train_moe)
+
+
+_SOURCES = (
+    ("/integrations/", "Turbo Megatron integration"),
+    ("/megatron/", "Megatron (Python)"),
+    ("primus_turbo/triton", "Turbo Triton wrappers"),
+    ("primus_turbo", "Turbo ops (Python)"),
+    ("/triton/", "Triton runtime"),
+    ("/torch/", "torch (Python)"),
+)
+
+
+def host_by_source(stats: pstats.Stats, calls: int) -> list[tuple[str, float]]:
+    """Own (not cumulative) profiled host ms per call, summed by where the code lives: own times add up
+    to the whole, where cumulative times of code the autograd engine calls back into do not."""
+    totals: dict[str, float] = {}
+    for (path, _line, name), (_cc, _nc, own, _cum, _callers) in stats.stats.items():
+        if path == "~":
+            if "run_backward" in name:
+                source = "autograd engine (C++ nodes, own)"
+            else:
+                source = "torch C++ ops and methods" if "torch" in name else "other built-ins"
+        else:
+            source = next((label for part, label in _SOURCES if part in path), "other Python")
+        totals[source] = totals.get(source, 0.0) + own * 1e3 / calls
+    return sorted(totals.items(), key=lambda item: -item[1])
 
 
 def _python_profile(model: torch.nn.Module, args, device: torch.device, dump: str) -> None:
@@ -58,6 +85,8 @@ def _python_profile(model: torch.nn.Module, args, device: torch.device, dump: st
     print(f"cProfile run: {host * 1e3:.1f} ms of host time per forward+backward (profiled)")
     if dump:
         profiler.dump_stats(dump)
+    sources = host_by_source(pstats.Stats(profiler), calls)
+    print(tabulate(sources, headers=["source", "ms per forward+backward (profiled)"], floatfmt=".2f"))
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
