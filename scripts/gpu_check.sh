@@ -239,7 +239,8 @@ if [ "${E2E:-0}" = 1 ]; then
 fi
 if [ "${STEP_PROFILE:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python scripts/profile_megatron_step.py \
-    --size "${E2E_SIZE:-small}" --syncs --cprofile --pstats "$OUT/step_${E2E_SIZE:-small}.pstats" > "$OUT/profile_step_${E2E_SIZE:-small}.log" 2>&1 || status=1
+    --size "${E2E_SIZE:-small}" --syncs --cprofile --pstats "$OUT/step_${E2E_SIZE:-small}.pstats" \
+    > "$OUT/profile_step_${E2E_SIZE:-small}.log" 2>&1 || status=1
   grep -E "unprofiled|per step|synchronising calls" "$OUT/profile_step_${E2E_SIZE:-small}.log"
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
