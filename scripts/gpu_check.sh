@@ -52,10 +52,12 @@
 #                       symmetric-memory ops (bench_async_tp.py; needs 2+ GPUs)
 #   E2E=1               Megatron MoE GPT training throughput, Turbo against the local spec (benchmark/e2e;
 #                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_SIZE, default small (or
-#                       finegrained: 128 experts top-8); E2E_NPROC, default 1; E2E_TP,
+#                       finegrained: 128 experts top-8, or mixtral: two Mixtral-8x7B layers); E2E_NPROC, default 1; E2E_TP,
 #                       default 1: tensor parallelism with sequence parallelism, expert parallelism NPROC / TP)
 #   STEP_PROFILE=1      where an eager Turbo step of the example spends its time (scripts/profile_megatron_step.py
-#                       --syncs --cprofile at E2E_SIZE: synchronising calls, Python functions, kernels, host ops)
+#                       --syncs --cprofile at E2E_SIZE: synchronising calls, Python functions, kernels, host ops;
+#                       STEP_PROFILE_ARGS replaces those flags, e.g. "--fp8 e4m3 --fp8-recipe blockwise";
+#                       STEP_PROFILE_TAG names the log, default E2E_SIZE)
 #   MEGATRON=1          install the carried megatron-core wheel (.whl/, name .whl in carry) into /tmp/site first
 #                       (implied by E2E=1); the integration tests then run against it
 #   PACK=name.tar.gz    archive for this call's logs and CSVs under $OUT (default results-<pid>.tar.gz)
@@ -238,10 +240,12 @@ if [ "${E2E:-0}" = 1 ]; then
     | tee "$OUT/bench_megatron_moe_${E2E_SIZE:-small}.log" || status=1
 fi
 if [ "${STEP_PROFILE:-0}" = 1 ]; then
+  tag="${STEP_PROFILE_TAG:-${E2E_SIZE:-small}}"
+  # shellcheck disable=SC2086  # STEP_PROFILE_ARGS is a list of the example's flags
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python scripts/profile_megatron_step.py \
-    --size "${E2E_SIZE:-small}" --syncs --cprofile --pstats "$OUT/step_${E2E_SIZE:-small}.pstats" \
-    > "$OUT/profile_step_${E2E_SIZE:-small}.log" 2>&1 || status=1
-  grep -E "unprofiled|per step|synchronising calls" "$OUT/profile_step_${E2E_SIZE:-small}.log"
+    --size "${E2E_SIZE:-small}" ${STEP_PROFILE_ARGS:---syncs --cprofile --pstats $OUT/step_$tag.pstats} \
+    > "$OUT/profile_step_$tag.log" 2>&1 || status=1
+  grep -E "unprofiled|per step|synchronising calls" "$OUT/profile_step_$tag.log"
 fi
 if [ "${GROUPED:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_grouped_gemm_turbo \

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -22,11 +23,13 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "megatron" / "train_moe.py"
 BLOCKWISE = ["--fp8", "e4m3", "--fp8-recipe", "blockwise"]
+TENSORWISE = ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"]
+AUTO_FILTER = "--turbo-fp8-auto-filter"
 HP_WGRAD = ["--no-turbo-fp8-expert-wgrad"]  # the experts' weight gradients in bf16
 VARIANTS = {
     "turbo-bf16": ["--compare"],
     "turbo-fp8-blockwise": BLOCKWISE,
-    "turbo-fp8-tensorwise": ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"],
+    "turbo-fp8-tensorwise": TENSORWISE,
     "turbo-bf16-mb4": ["--micro-batches", "4"],
     "turbo-fp8-blockwise-mb4": [*BLOCKWISE, "--micro-batches", "4"],
     "turbo-bf16-compiled": ["--compile"],
@@ -34,6 +37,12 @@ VARIANTS = {
     # the eager step with each backward on autograd's device thread (PyTorch's default), not the caller's
     "turbo-bf16-device-thread": ["--no-turbo-backward-on-caller-thread"],
     "turbo-fp8-blockwise-graph": [*BLOCKWISE, "--cuda-graph"],
+    "turbo-fp8-tensorwise-graph": [*TENSORWISE, "--cuda-graph"],
+    # the FP8 cost model keeps each layer in bf16 where FP8 would be slower (--turbo-fp8-auto-filter)
+    "turbo-fp8-blockwise-autofilter": [*BLOCKWISE, AUTO_FILTER],
+    "turbo-fp8-tensorwise-autofilter": [*TENSORWISE, AUTO_FILTER],
+    "turbo-fp8-blockwise-autofilter-graph": [*BLOCKWISE, AUTO_FILTER, "--cuda-graph"],
+    "turbo-fp8-tensorwise-autofilter-graph": [*TENSORWISE, AUTO_FILTER, "--cuda-graph"],
     "turbo-fp8-blockwise-hpwgrad-graph": [*BLOCKWISE, *HP_WGRAD, "--cuda-graph"],
     "turbo-bf16-compiled-graph": ["--compile", "--cuda-graph"],
     "turbo-fp8-blockwise-compiled-graph": [*BLOCKWISE, "--compile", "--cuda-graph"],
@@ -51,6 +60,14 @@ VARIANTS = {
     "turbo-bf16-mcore-full-iteration": ["--cuda-graph-impl", "full_iteration"],
 }
 ONE_GPU_FLAGS = ("--cuda-graph", "--cuda-graph-impl")
+_FP8_PART = re.compile(r"fp8-(?:blockwise|tensorwise)(?:-hpwgrad)?(?:-autofilter)?")
+
+
+def bf16_peer(variant: str) -> str | None:
+    """The bf16 variant an FP8 variant is measured against: the same run with bf16 GEMMs
+    (``turbo-fp8-blockwise-graph`` -> ``turbo-bf16-graph``); None for a bf16 variant."""
+    peer = _FP8_PART.sub("bf16", variant)
+    return peer if peer != variant else None
 
 
 def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path) -> dict[str, dict]:
@@ -84,6 +101,27 @@ def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path)
     return result
 
 
+def _ratios(values: dict, base: dict | None) -> tuple[str, str]:
+    """(throughput against ``base``, relative final-loss gap to it), or empty strings without one."""
+    if not base:
+        return "", ""
+    gap = abs(values["final_loss"] - base["final_loss"]) / base["final_loss"]
+    return f"{values['tokens_per_s'] / base['tokens_per_s']:.3f}", f"{gap:.4f}"
+
+
+def _row(values: dict, results: dict[str, dict], name: str) -> list[str]:
+    """One table row: tokens/s, host ms, against the local spec and (FP8 runs) against their bf16 peer."""
+    peer = bf16_peer(name)
+    rate, host, loss = (
+        f"{values['tokens_per_s']:.0f}",
+        f"{values['host_ms']:.1f}",
+        f"{values['final_loss']:.4f}",
+    )
+    vs_local, gap_local = _ratios(values, results.get("local"))
+    vs_bf16, gap_bf16 = _ratios(values, results.get(peer) if peer else None)
+    return [rate, host, vs_local, loss, gap_local, vs_bf16, gap_bf16]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -105,15 +143,9 @@ def main() -> None:
             continue
         for run, values in _run(variant, VARIANTS[variant], args, folder).items():
             results["local" if run == "local" else variant] = values
-    base = results.get("local")
-    table = []
-    for name, values in results.items():
-        ratio = values["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
-        gap = abs(values["final_loss"] - base["final_loss"]) / base["final_loss"] if base else float("nan")
-        rate, loss = f"{values['tokens_per_s']:.0f}", f"{values['final_loss']:.4f}"
-        host = f"{values['host_ms']:.1f}"
-        table.append([name, args.nproc, args.tp, rate, host, f"{ratio:.3f}", loss, f"{gap:.4f}"])
+    table = [[name, args.nproc, args.tp, *_row(values, results, name)] for name, values in results.items()]
     header = ["run", "gpus", "tp", "tokens_per_s", "host_ms", "vs_local", "final_loss", "loss_gap_vs_local"]
+    header += ["vs_bf16", "loss_gap_vs_bf16"]
     print(tabulate(table, headers=header))
     with open(args.output, "w", newline="") as f:
         writer = csv.writer(f)

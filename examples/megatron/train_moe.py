@@ -8,7 +8,9 @@ Megatron's local spec from the same initial weights on the same data and prints 
 Without a GPU it trains a tiny model over 2 gloo processes with expert parallelism 2 (the portable
 dispatch backend); with GPUs, ``--size small`` is a realistic small model (hidden 2048, 8 layers, 16
 experts top-2, sequence 4096) on ``--nproc`` GPUs, and ``--size finegrained`` a fine-grained MoE (hidden
-2048, 4 layers, 128 experts top-8 of ffn 768), whose many short expert kernels make the host path show.
+2048, 4 layers, 128 experts top-8 of ffn 768), whose many short expert kernels make the host path show,
+and ``--size mixtral`` two Mixtral-8x7B layers (hidden 4096, 32 heads, 8 experts top-2 of ffn 14336),
+whose large expert GEMMs set the pace.
 
     python examples/megatron/train_moe.py                      # CPU: tiny, 2 processes, EP 2
     python examples/megatron/train_moe.py --size small --nproc 1 --compare --enable-primus-turbo
@@ -44,6 +46,11 @@ SIZES = {
     "small": dict(
         num_layers=8, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632, num_moe_experts=16,
         moe_router_topk=2, moe_ffn_hidden_size=1408, seq=4096, vocab=32768, batch=1,
+    ),
+    # Mixtral-8x7B's layer (8 experts top-2, expert ffn 14336): few large experts, GEMM-bound
+    "mixtral": dict(
+        num_layers=2, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336, num_moe_experts=8,
+        moe_router_topk=2, moe_ffn_hidden_size=14336, seq=4096, vocab=32000, batch=1,
     ),
     # fine-grained experts (DeepSeek / Qwen3-MoE style): many small experts, so many short kernels a step
     "finegrained": dict(
@@ -224,6 +231,8 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
         kwargs.update(megatron_graph_kwargs(args))
         # "step" is this example's own capture, not a megatron-core setting
         patch_args = argparse.Namespace(**{**vars(args), "cuda_graph_impl": "none", **kwargs})
+        if args.cuda_graph and args.turbo_fp8_auto_filter == "auto":
+            patch_args.turbo_fp8_auto_filter = "graph"  # the example's own capture: no host path per step
         apply_primus_turbo_to_megatron(
             patch_args
         )  # before the config: it answers Megatron's TE gates for FP8

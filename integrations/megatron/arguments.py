@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from primus_turbo.integrations.megatron.config import FEATURES, PrimusTurboConfig
+from primus_turbo.integrations.megatron.config import FEATURES, FP8_AUTO_FILTER_MODES, PrimusTurboConfig
 
 __all__ = ["add_primus_turbo_args"]
 
@@ -68,6 +68,16 @@ def add_primus_turbo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         default=PrimusTurboConfig.turbo_fp8_expert_wgrad,
         help="under --fp8, the experts' weight gradients in FP8 (default); --no-turbo-fp8-expert-wgrad "
         "computes them in the parameters' dtype, faster where each expert sees few tokens",
+    )
+    group.add_argument(
+        "--turbo-fp8-auto-filter",
+        nargs="?",
+        const="auto",
+        default=None,
+        choices=[mode for mode in FP8_AUTO_FILTER_MODES if mode],
+        help="under --fp8, keep each linear / grouped linear in bf16 where the FP8 cost model finds FP8 "
+        "slower at its shape (logged once per layer); 'eager' counts host time, 'graph' only device time, "
+        "'auto' (the flag alone) follows --cuda-graph-impl",
     )
     group.add_argument(
         "--turbo-backward-on-caller-thread",

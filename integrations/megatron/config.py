@@ -29,7 +29,15 @@ from primus_turbo.pytorch.core.low_precision import (
     ScalingGranularity,
 )
 
-__all__ = ["BACKEND_FIELDS", "FEATURES", "PrimusTurboConfig", "ResolvedTurbo", "fp8_quant_config", "resolve"]
+__all__ = [
+    "BACKEND_FIELDS",
+    "FEATURES",
+    "FP8_AUTO_FILTER_MODES",
+    "PrimusTurboConfig",
+    "ResolvedTurbo",
+    "fp8_quant_config",
+    "resolve",
+]
 
 FEATURES = (
     "use_turbo_attention",
@@ -59,6 +67,10 @@ _FP8_RECIPES = {
 }
 
 
+# None: off; "auto": eager or graph from the model config's CUDA-graph setting
+FP8_AUTO_FILTER_MODES = (None, "auto", "eager", "graph")
+
+
 @dataclass(frozen=True)
 class PrimusTurboConfig:
     """The Turbo switch, per-feature flags (None: on where the model can use it) and backend choices.
@@ -71,7 +83,11 @@ class PrimusTurboConfig:
     ``turbo_backward_on_caller_thread`` (default on) runs each backward on the thread that calls it
     (``torch.autograd.set_multithreading_enabled(False)``) instead of autograd's per-GPU worker thread: a
     Megatron rank drives one GPU, so the hand-off between the two threads buys nothing and costs host time
-    on every backward node.
+    on every backward node. ``turbo_fp8_auto_filter`` (under ``fp8``; ``auto``, ``eager`` or ``graph``)
+    keeps each linear and grouped linear in bf16 where the FP8 cost model
+    (``primus_turbo.pytorch.core.fp8_filter``) finds FP8 slower at the layer's shape, and lets it pick the
+    experts' weight-gradient precision; ``eager`` counts each layer's host time, ``graph`` only its device
+    time, ``auto`` follows the model config's ``cuda_graph_impl``. Each layer logs its choice once.
     """
 
     enable_primus_turbo: bool = False
@@ -91,6 +107,7 @@ class PrimusTurboConfig:
     turbo_num_worst_tokens: int = 0
     turbo_fp8_expert_wgrad: bool = True
     turbo_backward_on_caller_thread: bool = True
+    turbo_fp8_auto_filter: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_primus_turbo, bool):
@@ -110,6 +127,11 @@ class PrimusTurboConfig:
             )
         if not isinstance(self.turbo_fp8_expert_wgrad, bool):
             raise TypeError(f"turbo_fp8_expert_wgrad must be a bool, got {self.turbo_fp8_expert_wgrad!r}")
+        if self.turbo_fp8_auto_filter not in FP8_AUTO_FILTER_MODES:
+            raise ValueError(
+                f"turbo_fp8_auto_filter must be one of {FP8_AUTO_FILTER_MODES}, "
+                f"got {self.turbo_fp8_auto_filter!r}"
+            )
         if not isinstance(self.turbo_backward_on_caller_thread, bool):
             raise TypeError(
                 "turbo_backward_on_caller_thread must be a bool, "
@@ -161,11 +183,13 @@ class ResolvedTurbo:
     num_worst_tokens: int = 0
     fp8_expert_wgrad: bool = True
     backward_on_caller_thread: bool = False
+    fp8_auto_filter: str | None = None  # "eager" | "graph": the FP8 cost model decides per layer
 
     def describe(self) -> str:
         on = [name for name in (f.removeprefix("use_turbo_") for f in FEATURES) if getattr(self, name)]
         fp8 = f", fp8 {self.fp8.granularity.name.lower()}/{self.fp8.format.name}" if self.fp8 else ""
         fp8 += ", experts' wgrad in high precision" if self.fp8 and not self.fp8_expert_wgrad else ""
+        fp8 += f", fp8 auto-filter ({self.fp8_auto_filter})" if self.fp8_auto_filter else ""
         thread = ", backward on the calling thread" if self.backward_on_caller_thread else ""
         return f"Primus-Turbo fills: {', '.join(on) or 'nothing'}{fp8}{thread}"
 
@@ -282,6 +306,14 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
             "turbo_fp8_expert_wgrad=False (--no-turbo-fp8-expert-wgrad) applies to Turbo grouped-GEMM "
             "experts under --fp8; this model has none"
         )
+    auto_filter = turbo.turbo_fp8_auto_filter
+    if auto_filter is not None and fp8 is None:
+        raise ValueError(
+            "turbo_fp8_auto_filter (--turbo-fp8-auto-filter) chooses between FP8 and bf16 per layer under "
+            "--fp8 with Turbo linears or grouped GEMM; this model runs none in FP8"
+        )
+    if auto_filter == "auto":
+        auto_filter = "graph" if _captures_cuda_graphs(config) else "eager"
     return ResolvedTurbo(
         attention=attention,
         gemm=gemm,
@@ -295,4 +327,14 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         num_worst_tokens=turbo.turbo_num_worst_tokens,
         fp8_expert_wgrad=turbo.turbo_fp8_expert_wgrad,
         backward_on_caller_thread=turbo.turbo_backward_on_caller_thread,
+        fp8_auto_filter=auto_filter,
+    )
+
+
+def _captures_cuda_graphs(config: Any) -> bool:
+    """Whether the model config asks megatron-core for CUDA graphs (``cuda_graph_impl``, or the older
+    ``enable_cuda_graph`` / ``external_cuda_graph``): the host path then leaves the step."""
+    impl = _get(config, "cuda_graph_impl", "none")
+    return impl not in (None, "none") or bool(
+        _get(config, "enable_cuda_graph", False) or _get(config, "external_cuda_graph", False)
     )

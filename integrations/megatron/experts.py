@@ -20,6 +20,7 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
+from primus_turbo.integrations.megatron.fp8_choice import Fp8Choice
 from primus_turbo.integrations.megatron.linear import (
     FP8WeightCache,
     _ExtraState,
@@ -27,6 +28,7 @@ from primus_turbo.integrations.megatron.linear import (
     param_device,
 )
 from primus_turbo.pytorch.core.custom_op import apply_function
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.modules.grouped_linear import grouped_linear
 from primus_turbo.pytorch.ops import QuantizedExperts, quantize_fp8_experts, swiglu_with_probs
 
@@ -132,6 +134,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
     parameters' dtype."""
 
     fp8_wgrad: bool = True
+    fp8_auto_filter: str | None = None
 
     def __init__(
         self,
@@ -155,7 +158,8 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         self.config, self.num_gemms, self.parallel_mode = config, num_gemms, parallel_mode
         self.is_expert, self.tp_comm_buffer_name = is_expert, tp_comm_buffer_name
         self.quant_config = fp8_quant_config(config)
-        self.fp8_wgrad = type(self).fp8_wgrad
+        self.fp8_wgrad, self.fp8_auto_filter = type(self).fp8_wgrad, type(self).fp8_auto_filter
+        self._fp8_choice = Fp8Choice()
         self.is_first_microbatch = True
         self._weight_cache = FP8WeightCache()
         group = _expert_tp_group(pg_collection) if parallel_mode in ("column", "row") else None
@@ -247,16 +251,30 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
         bias = self._stacked("bias") if self.use_bias else None
         weight = self._stacked("weight")
-        fp8_weight = self._fp8_weight(weight)
-        out = grouped_linear(x, weight, bias, group_lens, self.quant_config, fp8_weight, self.fp8_wgrad)
+        config, fp8_wgrad = self._fp8_plan(x.shape[0])
+        fp8_weight = self._fp8_weight(weight) if config is not None else None
+        out = grouped_linear(x, weight, bias, group_lens, config, fp8_weight, fp8_wgrad)
         FP8WeightCache.microbatch_done(self)
         return out, None
+
+    def _fp8_plan(self, tokens: int) -> tuple[Float8QuantConfig | None, bool]:
+        """(FP8 config or None for bf16, FP8 weight gradient): the layer's settings, or under the FP8
+        auto-filter the cost model's choice at ``tokens`` rows (the wgrad's precision too, unless
+        ``--no-turbo-fp8-expert-wgrad`` fixed it to bf16)."""
+        if self.quant_config is None or self.fp8_auto_filter is None:
+            return self.quant_config, self.fp8_wgrad
+        decision = self._fp8_choice.decide(
+            self,
+            self.fp8_auto_filter,
+            tokens,
+            groups=self.num_gemms,
+            fp8_wgrad=None if self.fp8_wgrad else False,
+        )
+        return (self.quant_config, decision.fp8_wgrad) if decision.use_fp8 else (None, self.fp8_wgrad)
 
     def _fp8_weight(self, weight: torch.Tensor) -> QuantizedExperts | None:
         """The experts' FP8 copies, made once per weight update across micro-batches (``is_first_microbatch``)
         or None (quantized in the call)."""
-        if self.quant_config is None:
-            return None
         return self._weight_cache.get(
             self,
             self._experts("weight"),

@@ -37,6 +37,8 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_mod
 from torch import nn
 
 from primus_turbo.integrations.megatron.config import fp8_quant_config
+from primus_turbo.integrations.megatron.fp8_choice import Fp8Choice
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
 from primus_turbo.pytorch.ops import (
     fused_all_gather_matmul,
     fused_matmul_reduce_scatter,
@@ -152,10 +154,13 @@ class TurboLinear(_ExtraState, nn.Module):
     """``TELinear``'s contract: ``parallel_mode`` "column", "row" or "duplicated" (no tensor parallelism).
 
     Layers built while ``async_tp`` is set (by ``--use-turbo-async-tp``) run a sequence-parallel bf16/fp16
-    all-gather + GEMM (column) or GEMM + reduce-scatter (row) as one fused op.
+    all-gather + GEMM (column) or GEMM + reduce-scatter (row) as one fused op. Layers built while
+    ``fp8_auto_filter`` is set (``--turbo-fp8-auto-filter``) run their GEMMs in bf16 wherever the FP8 cost
+    model finds FP8 slower at the call's shape.
     """
 
     async_tp: bool = False
+    fp8_auto_filter: str | None = None
 
     def __init__(
         self,
@@ -185,6 +190,7 @@ class TurboLinear(_ExtraState, nn.Module):
         self.is_first_microbatch = True
         self.quant_config = fp8_quant_config(config)
         self._weight_cache = FP8WeightCache()
+        self._fp8_choice, self.fp8_auto_filter = Fp8Choice(), type(self).fp8_auto_filter
         expert_parallel = config.expert_model_parallel_size > 1
         if parallel_mode == "duplicated":
             self._tp_group, tp_size, rank = None, 1, 0
@@ -253,19 +259,22 @@ class TurboLinear(_ExtraState, nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
 
+    def _fp8_config(self, tokens: int, input_fp8: bool = False) -> Float8QuantConfig | None:
+        """The FP8 config this call's GEMMs run under: the layer's, or None (bf16) where the FP8 auto-filter
+        (``fp8_auto_filter``, set by ``apply_primus_turbo_to_megatron``) finds FP8 slower at this shape."""
+        if self.quant_config is None or self.fp8_auto_filter is None:
+            return self.quant_config
+        decision = self._fp8_choice.decide(self, self.fp8_auto_filter, tokens, input_fp8=input_fp8)
+        return self.quant_config if decision.use_fp8 else None
+
     def _gemm(self, a: torch.Tensor | QuantizedTensor) -> torch.Tensor:
         """``a`` [tokens, in] (bf16, or already FP8 from a fused producer) times the weight."""
         accum = self._accum()
-        if self.quant_config is None:
+        config = self._fp8_config(a.shape[0], isinstance(a, QuantizedTensor))
+        if config is None:
             out = gemm(a, self.weight, trans_b=True, fuse_bgrad_accum_pattern=accum)
         else:
-            out = gemm_fp8(
-                a,
-                self._fp8_weight(),
-                trans_b=True,
-                config=self.quant_config,
-                fuse_bgrad_accum_pattern=accum,
-            )
+            out = gemm_fp8(a, self._fp8_weight(), trans_b=True, config=config, fuse_bgrad_accum_pattern=accum)
         FP8WeightCache.microbatch_done(self)
         return out
 
@@ -466,7 +475,8 @@ class TurboLayerNormColumnParallelLinear(TurboColumnParallelLinear):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._fuses_norm_into_fp8():
+        tokens = x.numel() // max(x.shape[-1], 1)
+        if self._fuses_norm_into_fp8() and self._fp8_config(tokens, input_fp8=True) is not None:
             # no bf16 normalized activation is written and read back for quantization
             quantized = rmsnorm_fp8(
                 x.reshape(-1, x.shape[-1]),

@@ -77,6 +77,7 @@ class TurboPatch:
         TurboFlexTokenDispatcher.num_worst_tokens = 0
         TurboLinear.async_tp = False
         TurboGroupedLinear.fp8_wgrad = True
+        TurboLinear.fp8_auto_filter = TurboGroupedLinear.fp8_auto_filter = None
         set_active_features(None)
         if _applied and _applied[0] is self:
             _applied.clear()
@@ -154,6 +155,7 @@ def apply_primus_turbo_to_megatron(
     TurboFlexTokenDispatcher.num_worst_tokens = features.num_worst_tokens
     TurboLinear.async_tp = features.async_tp
     TurboGroupedLinear.fp8_wgrad = features.fp8_expert_wgrad
+    TurboLinear.fp8_auto_filter = TurboGroupedLinear.fp8_auto_filter = features.fp8_auto_filter
     set_active_features(features)
     _set_backends(turbo, patch)
     if features.backward_on_caller_thread:

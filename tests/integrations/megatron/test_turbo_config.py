@@ -133,6 +133,25 @@ def test_high_precision_expert_wgrad_needs_fp8_experts():
         resolve(turbo, _megatron(fp8="e4m3", fp8_recipe="blockwise", moe_grouped_gemm=False))
 
 
+def test_fp8_auto_filter_flag():
+    """``--turbo-fp8-auto-filter`` alone is "auto": eager unless the model config captures CUDA graphs;
+    an explicit mode is kept; without FP8 layers it would change nothing, so it raises."""
+    auto = PrimusTurboConfig.from_args(_parse("--enable-primus-turbo", "--turbo-fp8-auto-filter"))
+    assert auto.turbo_fp8_auto_filter == "auto"
+    fp8 = dict(fp8="e4m3", fp8_recipe="blockwise")
+    eager = resolve(auto, _megatron(**fp8))
+    assert eager.fp8_auto_filter == "eager" and "auto-filter (eager)" in eager.describe()
+    assert resolve(auto, _megatron(**fp8, cuda_graph_impl="full_iteration")).fp8_auto_filter == "graph"
+    assert resolve(auto, _megatron(**fp8, enable_cuda_graph=True)).fp8_auto_filter == "graph"
+    graph = PrimusTurboConfig.from_args(_parse("--enable-primus-turbo", "--turbo-fp8-auto-filter", "graph"))
+    assert resolve(graph, _megatron(**fp8)).fp8_auto_filter == "graph"
+    assert resolve(PrimusTurboConfig(enable_primus_turbo=True), _megatron(**fp8)).fp8_auto_filter is None
+    with pytest.raises(ValueError, match="turbo_fp8_auto_filter"):
+        resolve(auto, _megatron())
+    with pytest.raises(ValueError, match="turbo_fp8_auto_filter must be one of"):
+        PrimusTurboConfig(enable_primus_turbo=True, turbo_fp8_auto_filter="always")
+
+
 def test_backward_on_caller_thread_flag():
     """On by default with the switch, off with ``--no-turbo-backward-on-caller-thread``; nothing without the
     switch."""

@@ -540,3 +540,114 @@ def test_cuda_graph_of_an_fp8_layer_quantizes_the_updated_weights(moe_fp8, modul
     graph.replay()
     expected, _ = layer(*args)
     assert torch.equal(out, expected)
+
+
+def _force(monkeypatch, use_fp8: bool, fp8_wgrad: bool = True) -> list[dict]:
+    """Make the cost model answer ``use_fp8`` (tiny test shapes would always come out bf16); the calls it
+    saw are returned."""
+    from primus_turbo.integrations.megatron import fp8_choice
+    from primus_turbo.pytorch.core.fp8_filter import Fp8Decision
+
+    calls: list[dict] = []
+
+    def decide(tokens, in_features, out_features, config, **kwargs):
+        calls.append(dict(tokens=tokens, in_features=in_features, out_features=out_features, **kwargs))
+        return Fp8Decision(use_fp8, fp8_wgrad, 1.0, 2.0, "forced")
+
+    monkeypatch.setattr(fp8_choice, "fp8_linear_decision", decide)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_fp8_auto_filter_keeps_small_linears_in_bf16(megatron, monkeypatch, caplog, mode):
+    """Under the auto-filter a layer whose shape the cost model finds slower in FP8 runs the bf16 GEMMs
+    (output and gradients equal the bf16 layer's bit for bit, no FP8 weight made), and says so once."""
+    monkeypatch.setattr(TurboLinear, "fp8_auto_filter", mode)
+    common = dict(config=tiny_config(fp8="e4m3", fp8_recipe="tensorwise"), init_method=_init)
+    common.update(gather_output=False, bias=False, skip_bias_add=False, is_expert=False)
+    filtered = TurboLayerNormColumnParallelLinear(256, 128, tp_comm_buffer_name="qkv", **common).to(_device())
+    monkeypatch.setattr(TurboLinear, "fp8_auto_filter", None)
+    plain = TurboLayerNormColumnParallelLinear(256, 128, **{**common, "config": tiny_config()}).to(_device())
+    plain.load_state_dict(filtered.state_dict())
+    x = torch.randn(16, 2, 256, dtype=torch.bfloat16, device=_device())
+    g = torch.randn(16, 2, 128, dtype=torch.bfloat16, device=_device())
+    results = []
+    with caplog.at_level("INFO", logger="primus_turbo.integrations.megatron.fp8_choice"):
+        for layer in (filtered, filtered, plain):
+            x_ = x.clone().requires_grad_()
+            layer.zero_grad(set_to_none=True)
+            out, _ = layer(x_)
+            out.backward(g)
+            results.append((out, x_.grad, layer.weight.grad, layer.layer_norm_weight.grad))
+    for a, b in zip(results[0], results[2], strict=True):
+        assert torch.equal(a, b)
+    assert filtered._weight_cache.value is None
+    logged = [r.getMessage() for r in caplog.records if "auto-filter" in r.getMessage()]
+    assert len(logged) == 1 and "(qkv) [32 tokens x 256 -> 128]: bf16" in logged[0]
+
+
+def test_fp8_auto_filter_runs_fp8_where_the_model_says_so(megatron, monkeypatch):
+    """Where the model picks FP8 the layer is the FP8 layer bit for bit, fused norm included; the model
+    is asked once per power-of-two bucket of token counts, with the layer's features."""
+    calls = _force(monkeypatch, use_fp8=True)
+    common = dict(config=tiny_config(fp8="e4m3", fp8_recipe="blockwise"), init_method=_init)
+    common.update(gather_output=False, bias=False, skip_bias_add=False, is_expert=False)
+    monkeypatch.setattr(TurboLinear, "fp8_auto_filter", "graph")
+    filtered = TurboLayerNormColumnParallelLinear(256, 128, **common).to(_device())
+    monkeypatch.setattr(TurboLinear, "fp8_auto_filter", None)
+    fp8 = TurboLayerNormColumnParallelLinear(256, 128, **common).to(_device())
+    fp8.load_state_dict(filtered.state_dict())
+    x = torch.randn(16, 2, 256, dtype=torch.bfloat16, device=_device())
+    assert torch.equal(filtered(x)[0], fp8(x)[0])
+    filtered(x[:12])  # 24 tokens: the 16-31 bucket
+    filtered(x[:10])  # 20 tokens: the same bucket, no new decision
+    filtered(x[:4])  # 8 tokens: a new bucket
+    assert [c["tokens"] for c in calls] == [32, 16, 8]
+    assert calls[0]["input_fp8"] and not calls[0]["count_host"] and calls[0]["in_features"] == 256
+
+
+@pytest.mark.parametrize("fp8_wgrad", [False, True])
+def test_fp8_auto_filter_picks_the_experts_precision(moe_fp8, monkeypatch, fp8_wgrad):
+    """Grouped layers: the model's FP8 choice with its wgrad precision is the layer built that way (bit for
+    bit); a bf16 choice is the bf16 layer; ``--no-turbo-fp8-expert-wgrad`` fixes the wgrad for the model."""
+    x = torch.randn(10, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 7], device=_device())
+    grad_out = torch.randn(10, 32, dtype=torch.bfloat16, device=_device())
+
+    def run(layer: TurboGroupedLinear, source: TurboGroupedLinear) -> list[torch.Tensor]:
+        layer.load_state_dict(source.state_dict())
+        x_ = x.clone().requires_grad_()
+        out, _ = layer(x_, counts)
+        out.backward(grad_out)
+        return [out, x_.grad, *(p.grad for p in layer.parameters())]
+
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_wgrad", fp8_wgrad)
+    reference = _fp8_grouped_fc1()
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_wgrad", True)
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_auto_filter", "eager")
+    calls = _force(monkeypatch, use_fp8=True, fp8_wgrad=fp8_wgrad)
+    chosen = _fp8_grouped_fc1()
+    assert all(
+        torch.equal(a, b) for a, b in zip(run(chosen, reference), run(reference, reference), strict=True)
+    )
+    assert calls[0]["groups"] == 3 and calls[0]["fp8_wgrad"] is None and calls[0]["count_host"]
+    _force(monkeypatch, use_fp8=False)
+    bf16_choice, bf16 = _fp8_grouped_fc1(), _grouped_fc1()
+    assert all(torch.equal(a, b) for a, b in zip(run(bf16_choice, bf16), run(bf16, bf16), strict=True))
+    assert bf16_choice._weight_cache.value is None
+    calls = _force(monkeypatch, use_fp8=True, fp8_wgrad=False)
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_wgrad", False)
+    run(_fp8_grouped_fc1(), reference)
+    assert calls[0]["fp8_wgrad"] is False
+
+
+def test_patch_sets_the_fp8_auto_filter(moe_fp8):
+    config = tiny_moe_config(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise")
+    turbo = PrimusTurboConfig(enable_primus_turbo=True, turbo_fp8_auto_filter="auto")
+    patch = apply_primus_turbo_to_megatron(turbo, config)
+    try:
+        assert TurboLinear.fp8_auto_filter == TurboGroupedLinear.fp8_auto_filter == "eager"
+        assert _fp8_grouped_fc1().fp8_auto_filter == "eager"
+    finally:
+        patch.undo()
+    assert TurboLinear.fp8_auto_filter is None and TurboGroupedLinear.fp8_auto_filter is None
