@@ -40,6 +40,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     grouped_gemm_fp8_impl,
     grouped_gemm_fp8_variable_k_accum_impl,
     grouped_gemm_fp8_variable_k_impl,
+    quantize_fp8_experts_tensorwise_impl,
     quantize_fp8_group_blocks_impl,
     quantize_fp8_group_columns_impl,
     transpose_last_two_impl,
@@ -57,16 +58,6 @@ def _quantize_tokens(x: torch.Tensor, dtype: torch.dtype, config: Float8QuantCon
     """Token-major operand [T, C] along C: one scale, one per row ([T, 1]) or per 1 x B block."""
     axis = None if config.granularity is _G.TENSORWISE else 1
     return quantize_fp8(x, dtype, config.granularity, block_size=config.block_size, axis=axis)
-
-
-def _contiguous_along(q: torch.Tensor, axis: int) -> torch.Tensor:
-    """``q`` [G, X, Y] (a view) with dimension ``axis`` contiguous in memory: itself, or a transposed copy
-    viewed with q's shape. FP8 tensor cores read the reduction dimension contiguous."""
-    if q.stride(axis) == 1:
-        return q
-    if axis == 1:
-        return call_op(transpose_last_two_impl, q).transpose(1, 2)
-    return call_op(transpose_last_two_impl, q.transpose(1, 2))
 
 
 def _rowwise_along(b: torch.Tensor, dtype: torch.dtype, axis: int):
@@ -101,11 +92,13 @@ def _quantize_experts(
             b.reshape(-1, b.shape[2]), dtype, granularity, block_size=block, scaling_recipe=recipe
         )
         return (q.view(b.shape), scale.view(b.shape[0], b.shape[1] // block, -1)), None
-    if granularity is _G.TENSORWISE:
+    if granularity is _G.TENSORWISE and not dgrad and k_axis == 2:  # the forward's layout is b's own
         q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
-        q, scale = q.view(b.shape), scale.view(-1, 1, 1)
-        dgrad_pair = (_contiguous_along(q, n_axis), scale) if dgrad else None
-        return (_contiguous_along(q, k_axis), scale), dgrad_pair
+        return (q.view(b.shape), scale.view(-1, 1, 1)), None
+    if granularity is _G.TENSORWISE:  # both layouts from one read of each tile
+        q, q_t, scale = call_op(quantize_fp8_experts_tensorwise_impl, b, dtype)
+        along = {2: q, 1: q_t.transpose(1, 2)}
+        return (along[k_axis], scale), (along[n_axis], scale) if dgrad else None
     return _rowwise_along(b, dtype, k_axis), _rowwise_along(b, dtype, n_axis) if dgrad else None
 
 

@@ -5,6 +5,7 @@ from primus_turbo.triton.quantization.fp8_emit import EMIT_BLOCK, EMIT_ROW, EMIT
 from primus_turbo.triton.quantization.fp8_quant_kernel import (
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
+    quantize_fp8_with_trans_tiles_triton,
     tensorwise_cast_fp8_triton,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "quantize_fp4_rows_triton",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",
+    "quantize_fp8_with_trans_tiles_triton",
     "tensorwise_cast_fp8_triton",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "e8m0_scale",
     "quantize_fp8_dual_blocks_triton",
     "quantize_fp8_groups_triton",
+    "quantize_fp8_with_trans_tiles_triton",
     "tensorwise_cast_fp8_triton",
 ]
 
@@ -322,6 +323,100 @@ def _tensorwise_cast_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@cached_launch
+@triton.jit
+def _quantize_with_trans_tiles_kernel(
+    x_ptr,
+    q_ptr,
+    q_t_ptr,
+    s_ptr,
+    s_t_ptr,
+    amax_ptr,
+    rows,
+    cols,
+    stride_xb,
+    stride_xr,
+    stride_sb,
+    stride_sr,
+    stride_stb,
+    stride_str,
+    FP8_MAX: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    CAST_SATURATES: tl.constexpr,
+):
+    """One TILE x TILE tile of slice ``b`` of x [B, rows, cols], read once, written twice: ``q`` [B, rows,
+    cols] and its transpose ``q_t`` [B, cols, rows] (both contiguous). BLOCK_2D: the tile is one scale
+    group (its scale_inv at (b, tile row, tile column) of ``s`` and transposed of ``s_t``); otherwise
+    slice b's multiplier comes from ``amax_ptr[b]`` and its first tile stores scale_inv at ``s_ptr[b]``."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    r = (pid_r * TILE + tl.arange(0, TILE)).to(tl.int64)
+    c = (pid_c * TILE + tl.arange(0, TILE)).to(tl.int64)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + b * stride_xb + r[:, None] * stride_xr + c[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if BLOCK_2D:
+        mag = tl.abs(x)
+        nonfinite = (mag != mag) | (mag == float("inf"))
+        bad = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0)
+        amax = tl.max(tl.max(tl.where(nonfinite, 0.0, mag), axis=1), axis=0)
+        multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+        tl.store(s_ptr + b * stride_sb + pid_r * stride_sr + pid_c, stored)
+        tl.store(s_t_ptr + b * stride_stb + pid_c * stride_str + pid_r, stored)
+    else:
+        amax = tl.load(amax_ptr + b)
+        bad = ((amax != amax) | (amax == float("inf"))).to(tl.int32)
+        multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
+        if pid_r == 0 and pid_c == 0:
+            tl.store(s_ptr + b, stored)
+    q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty)
+    size = rows.to(tl.int64) * cols
+    tl.store(q_ptr + b * size + r[:, None] * cols + c[None, :], q, mask=mask)
+    tl.store(q_t_ptr + b * size + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+def quantize_fp8_with_trans_tiles_triton(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    q_t: torch.Tensor,
+    scale: torch.Tensor,
+    scale_t: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    tile: int = 128,
+) -> None:
+    """Quantize x [B, R, C] (unit last stride) into contiguous ``q`` [B, R, C] and ``q_t`` [B, C, R] in one
+    read. Without ``amax``: ``tile`` x ``tile`` blocks, each its own scale group, ``scale`` [B, R / tile,
+    C / tile] and ``scale_t`` [B, C / tile, R / tile] (unit last strides). With ``amax`` [B] (fp32, one
+    per slice): slice b scaled from ``amax[b]``, its scale_inv written to ``scale`` [B]."""
+    batch, rows, cols = x.shape
+    if x.numel() == 0:
+        return
+    block_2d = amax is None
+    s_strides = (scale.stride(0), scale.stride(1)) if block_2d else (0, 0)
+    st_strides = (scale_t.stride(0), scale_t.stride(1)) if block_2d else (0, 0)
+    _quantize_with_trans_tiles_kernel[(triton.cdiv(rows, tile), triton.cdiv(cols, tile), batch)](
+        x,
+        q,
+        q_t,
+        scale,
+        scale if scale_t is None else scale_t,
+        scale if amax is None else amax,
+        rows,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        *s_strides,
+        *st_strides,
+        FP8_MAX=torch.finfo(q.dtype).max,
+        TILE=tile,
+        BLOCK_2D=block_2d,
+        CAST_SATURATES=fp8_cast_saturates(x.device, q.dtype),
+        num_warps=8 if tile >= 128 else 4,
+    )
 
 
 def quantize_fp8_groups_triton(

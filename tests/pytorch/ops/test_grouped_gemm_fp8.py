@@ -535,3 +535,30 @@ def test_two_gemms_on_one_routing_share_the_block_layout(monkeypatch):
     grouped_gemm_fp8(x, w1, lens, trans_b=True, config=config).sum().backward()
     assert made == [BLOCK, BLOCK]
     assert compute_group_offs(lens) is compute_group_offs(lens)
+
+
+@pytest.mark.parametrize("shape", [(3, 160, 96), (2, 256, 128), (1, 1, 300)], ids=str)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tensorwise_expert_copies_in_one_read_match_the_row_quantization(shape, in_dtype, monkeypatch):
+    """``quantize_fp8_experts_tensorwise``: each expert's one-scale copy and its transpose, bit for bit the
+    row quantization of the [G, X * Y] view and a transposed copy (a NaN poisons only its expert), on
+    the one-read tile path and the reference path alike; the op passes opcheck."""
+    from primus_turbo.pytorch.kernels.quantization.quantization_impl import quantize_fp8_reference
+
+    b = torch.randn(shape, dtype=in_dtype, device=DEVICE)
+    if shape[0] > 1:
+        b[1, 0, 3] = float("nan")
+    flat_q, flat_s = quantize_fp8_reference(
+        b.reshape(shape[0], -1), torch.float8_e4m3fn, ScalingGranularity.ROWWISE.value, 0, 1, False
+    )
+    expected = flat_q.view(shape)
+    results = [impl.quantize_fp8_experts_tensorwise_impl(b, torch.float8_e4m3fn)]
+    monkeypatch.setattr(impl, "fp8_triton_usable", lambda *_: False)
+    results.append(impl.quantize_fp8_experts_tensorwise_impl(b, torch.float8_e4m3fn))
+    for q, q_t, scale in results:
+        assert q_t.is_contiguous() and q_t.shape == (shape[0], shape[2], shape[1])
+        assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(q_t.view(torch.uint8), expected.transpose(1, 2).contiguous().view(torch.uint8))
+        torch.testing.assert_close(scale.flatten(), flat_s.flatten(), rtol=0, atol=0, equal_nan=True)
+    monkeypatch.undo()
+    torch.library.opcheck(impl.quantize_fp8_experts_tensorwise_impl, (b.nan_to_num(), torch.float8_e4m3fn))

@@ -51,7 +51,13 @@ from primus_turbo.pytorch.kernels.grouped_gemm.group_offs_impl import (
     derived_from,
     token_shape_class,
 )
-from primus_turbo.pytorch.kernels.quantization.quantization_impl import expand_scale, tensorwise_multipliers
+from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
+    expand_scale,
+    fp8_triton_usable,
+    quantize_fp8_reference,
+    tensorwise_multipliers,
+    tensorwise_with_trans_triton,
+)
 from primus_turbo.triton.grouped_gemm import (
     group_block_layout_triton,
     grouped_fp8_scale_block,
@@ -80,6 +86,7 @@ __all__ = [
     "grouped_gemm_fp8_variable_k_accum_impl",
     "grouped_gemm_fp8_variable_k_impl",
     "quantize_fp8_group_blocks_impl",
+    "quantize_fp8_experts_tensorwise_impl",
     "quantize_fp8_group_columns_impl",
     "transpose_last_two_impl",
 ]
@@ -397,6 +404,31 @@ def transpose_last_two_impl(x: torch.Tensor) -> torch.Tensor:
 @transpose_last_two_impl.register_fake
 def _transpose_last_two_fake(x):
     return x.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+
+
+@custom_op("primus_turbo::quantize_fp8_experts_tensorwise", mutates_args=())
+def quantize_fp8_experts_tensorwise_impl(
+    b: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [G, X, Y], q_t [G, Y, X], scale_inv [G, 1, 1])``: each expert weight of ``b`` [G, X, Y] with
+    its own scale, in both layouts (the forward's and the input gradient's). Where Triton runs, one amax
+    reduction and then every tile read once and written twice; elsewhere the row quantization of the
+    [G, X * Y] view and a transposed copy, the same values."""
+    groups = b.shape[0]
+    if b.numel() and fp8_triton_usable(b, out_dtype):
+        q, q_t, scale = tensorwise_with_trans_triton(b.contiguous(), out_dtype)
+        return q, q_t, scale.view(groups, 1, 1)
+    flat = b.reshape(groups, -1)
+    q, scale = quantize_fp8_reference(flat, out_dtype, ScalingGranularity.ROWWISE.value, 0, 1, False)
+    q = q.view(b.shape)
+    return q, q.transpose(1, 2).clone(memory_format=torch.contiguous_format), scale.view(groups, 1, 1)
+
+
+@quantize_fp8_experts_tensorwise_impl.register_fake
+def _quantize_fp8_experts_tensorwise_fake(b, out_dtype):
+    q = torch.empty(b.shape, dtype=out_dtype, device=b.device)
+    q_t = torch.empty((b.shape[0], b.shape[2], b.shape[1]), dtype=out_dtype, device=b.device)
+    return q, q_t, torch.empty((b.shape[0], 1, 1), dtype=torch.float32, device=b.device)
 
 
 def _quantize_row_groups(

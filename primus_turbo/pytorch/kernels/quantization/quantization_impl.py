@@ -26,6 +26,7 @@ from primus_turbo.triton.quantization import (
     EMIT_TENSOR,
     quantize_fp8_dual_blocks_triton,
     quantize_fp8_groups_triton,
+    quantize_fp8_with_trans_tiles_triton,
     tensorwise_cast_fp8_triton,
 )
 from primus_turbo.triton.utils.device_info import triton_runs_on
@@ -45,6 +46,7 @@ __all__ = [
     "quantize_fp8_with_trans_reference",
     "scale_inv_shape",
     "tensorwise_multipliers",
+    "tensorwise_with_trans_triton",
     "to_block_major",
     "with_trans_empty",
     "EMIT_MODES",
@@ -60,6 +62,7 @@ _MX = ScalingGranularity.MX_BLOCKWISE.value
 _FP32_MAX = torch.finfo(torch.float32).max
 _LONG_ROW = 1 << 16
 _FEW_ROWS = 4096
+_TILE_MAX = 128  # the largest tile the one-read, two-layout kernels hold (2-D blocks up to 128 x 128)
 
 
 def mx_emax(dtype: torch.dtype) -> int:
@@ -287,7 +290,14 @@ def _with_trans_blocks(x: torch.Tensor, out_dtype: torch.dtype, granularity: int
 def _with_trans_2d_blocks(x: torch.Tensor, out_dtype: torch.dtype, block: int, triton_path: bool):
     """B x B block quantization of a weight (M, K) or a stack of them (G, M, K), and the transposed
     copy (..., K, M); the scales serve both directions. Copies, never views: a custom op's outputs must
-    not alias each other."""
+    not alias each other. On the Triton path each block is read once and written in both layouts."""
+    if triton_path and block <= _TILE_MAX and x.stride(-1) == 1:
+        outputs = _with_trans_2d_blocks_empty(x.shape, out_dtype, block, x.device)
+        q, scale, q_t, scale_t = (t if x.dim() == 3 else t.unsqueeze(0) for t in outputs)
+        quantize_fp8_with_trans_tiles_triton(
+            x if x.dim() == 3 else x.unsqueeze(0), q, q_t, scale, scale_t, tile=block
+        )
+        return outputs
     if x.dim() == 3 and x.shape[1] % block:  # blocks would straddle two slices of a flat (G * M, K) view
         per_slice = [_with_trans_2d_blocks(w, out_dtype, block, triton_path) for w in x.unbind()]
         return tuple(torch.stack(parts) for parts in zip(*per_slice, strict=True))
@@ -314,6 +324,9 @@ def _with_trans_2d_blocks_empty(shape: torch.Size, out_dtype: torch.dtype, block
 def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
     if granularity == _BLOCKWISE and block_2d:
         return _with_trans_2d_blocks(x, out_dtype, block_size, triton_path)
+    if granularity == _TENSORWISE and triton_path and x.numel():
+        q, q_t, scale = tensorwise_with_trans_triton(x.contiguous().unsqueeze(0), out_dtype)
+        return q[0], scale.view(()), q_t[0], scale.view(()).clone()
     if granularity == _TENSORWISE:
         q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
         # copies, never views: a custom op's outputs must not alias each other
@@ -328,6 +341,19 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
     mx, one_d = granularity == _MX, _one_d_blocks(groups)
     scale_t = _quantize_2d(x.t(), q_t, out_dtype, groups.rows, groups.cols, mx, triton_path, one_d)
     return q, scale, q_t, scale_t
+
+
+def tensorwise_with_trans_triton(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``(q [B, R, C], q_t [B, C, R], scale_inv [B])`` for a contiguous non-empty x [B, R, C], one scale per
+    slice ``b`` (a tensor, or each expert of a weight stack): one amax reduction, then each tile read once
+    and written in both layouts."""
+    amax = torch.linalg.vector_norm(x.reshape(x.shape[0], -1), float("inf"), dim=1, dtype=torch.float32)
+    q = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    q_t = torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=out_dtype, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    tile = _TILE_MAX if x.element_size() <= 2 else _TILE_MAX // 2
+    quantize_fp8_with_trans_tiles_triton(x, q, q_t, scale, amax=amax, tile=tile)
+    return q, q_t, scale
 
 
 def quantize_fp8_with_trans_reference(
