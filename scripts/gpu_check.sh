@@ -54,6 +54,8 @@
 #                       E2E_VARIANTS, default all; E2E_STEPS, default 50; E2E_SIZE, default small (or
 #                       finegrained: 128 experts top-8, or mixtral: two Mixtral-8x7B layers); E2E_NPROC, default 1; E2E_TP,
 #                       default 1: tensor parallelism with sequence parallelism, expert parallelism NPROC / TP)
+#   WEIGHT_QUANT=1      FP8 weight quantization, both layouts in one read against quantize-then-transpose
+#                       (bench_fp8_weight_quant.py: Mixtral, DeepSeek-V3, Qwen3 experts, Llama-3-70B)
 #   STEP_PROFILE=1      where an eager Turbo step of the example spends its time (scripts/profile_megatron_step.py
 #                       --syncs --cprofile at E2E_SIZE: synchronising calls, Python functions, kernels, host ops;
 #                       STEP_PROFILE_ARGS replaces those flags, e.g. "--fp8 e4m3 --fp8-recipe blockwise";
@@ -238,6 +240,10 @@ if [ "${E2E:-0}" = 1 ]; then
     --tp "${E2E_TP:-1}" --steps "${E2E_STEPS:-50}" --size "${E2E_SIZE:-small}" \
     ${E2E_VARIANTS:+--variants "$E2E_VARIANTS"} -o "$OUT/megatron_moe_${E2E_SIZE:-small}.csv" 2>&1 \
     | tee "$OUT/bench_megatron_moe_${E2E_SIZE:-small}.log" || status=1
+fi
+if [ "${WEIGHT_QUANT:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_fp8_weight_quant \
+    -o "$OUT/fp8_weight_quant.csv" 2>&1 | tee "$OUT/bench_fp8_weight_quant.log" || status=1
 fi
 if [ "${STEP_PROFILE:-0}" = 1 ]; then
   tag="${STEP_PROFILE_TAG:-${E2E_SIZE:-small}}"
