@@ -33,13 +33,12 @@ _FP8 = torch.float8_e4m3fn
 
 def _sides(granularity: str, w: torch.Tensor):
     """(one-read callable, two-kernel callable) returning (q, q_t, scale) each."""
-    from primus_turbo.pytorch.core.low_precision import ScalingGranularity
+    from primus_turbo.pytorch.core.low_precision import ScalingGranularity, ScalingRecipe
     from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
         quantize_fp8_experts_tensorwise_impl,
     )
     from primus_turbo.pytorch.kernels.quantization.quantization_impl import quantize_fp8_impl
     from primus_turbo.pytorch.ops import quantize_fp8_with_trans
-    from primus_turbo.pytorch.core.low_precision import ScalingRecipe
     from primus_turbo.triton.utils.transpose import transpose_triton
 
     g = ScalingGranularity
