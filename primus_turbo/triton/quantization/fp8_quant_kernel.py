@@ -376,7 +376,9 @@ def _quantize_with_trans_tiles_kernel(
     q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty)
     size = rows.to(tl.int64) * cols
     tl.store(q_ptr + b * size + r[:, None] * cols + c[None, :], q, mask=mask)
-    tl.store(q_t_ptr + b * size + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+    # the transposed copy moves as bytes (``q_t_ptr`` is a uint8 view), as the plain transpose kernel does
+    bits = tl.trans(q.to(tl.uint8, bitcast=True))
+    tl.store(q_t_ptr + b * size + c[:, None] * rows + r[None, :], bits, mask=tl.trans(mask))
 
 
 def quantize_fp8_with_trans_tiles_triton(
@@ -401,7 +403,7 @@ def quantize_fp8_with_trans_tiles_triton(
     _quantize_with_trans_tiles_kernel[(triton.cdiv(rows, tile), triton.cdiv(cols, tile), batch)](
         x,
         q,
-        q_t,
+        q_t.view(torch.uint8),
         scale,
         scale if scale_t is None else scale_t,
         scale if amax is None else amax,
