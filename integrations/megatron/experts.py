@@ -263,14 +263,14 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         ``--no-turbo-fp8-expert-wgrad`` fixed it to bf16)."""
         if self.quant_config is None or self.fp8_auto_filter is None:
             return self.quant_config, self.fp8_wgrad
-        decision = self._fp8_choice.decide(
+        use_fp8, fp8_wgrad = self._fp8_choice.decide(
             self,
             self.fp8_auto_filter,
             tokens,
             groups=self.num_gemms,
             fp8_wgrad=None if self.fp8_wgrad else False,
         )
-        return (self.quant_config, decision.fp8_wgrad) if decision.use_fp8 else (None, self.fp8_wgrad)
+        return (self.quant_config, fp8_wgrad) if use_fp8 else (None, self.fp8_wgrad)
 
     def _fp8_weight(self, weight: torch.Tensor) -> QuantizedExperts | None:
         """The experts' FP8 copies, made once per weight update across micro-batches (``is_first_microbatch``)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from primus_turbo.pytorch.core.fp8_filter import Fp8Decision, fp8_linear_decision
 
 __all__ = ["Fp8Choice"]
@@ -16,7 +18,9 @@ _log = logging.getLogger(__name__)
 
 class Fp8Choice:
     """One layer's decisions, made on its first forward at each token count (in power-of-two buckets, so
-    dropless routing that changes the count every step does not re-decide every step) and reused."""
+    dropless routing that changes the count every step does not re-decide every step) and reused. Under
+    torch.compile the decision runs while the graph is traced, as a constant of the graph (its log line
+    included, which in the graph itself would break it)."""
 
     def __init__(self) -> None:
         self._made: dict[tuple[int, bool], Fp8Decision] = {}
@@ -30,10 +34,16 @@ class Fp8Choice:
         groups: int | None = None,
         fp8_wgrad: bool | None = None,
         input_fp8: bool = False,
-    ) -> Fp8Decision:
-        """The decision for ``module`` (its ``quant_config``, ``in_features``, ``out_features``) on
-        ``tokens`` rows, under ``mode`` ("eager": host time counted, "graph": device time only)."""
+    ) -> tuple[bool, bool]:
+        """(FP8 or not, FP8 weight gradient or not) for ``module`` (its ``quant_config``, ``in_features``,
+        ``out_features``) on ``tokens`` rows, under ``mode`` ("eager": host time counted, "graph": device
+        time only)."""
         key = (max(tokens, 1).bit_length(), input_fp8)
+        if torch.compiler.is_compiling():
+            return _traced_decision(self, module, mode, key, groups, fp8_wgrad)
+        return self._decision(module, mode, key, groups, fp8_wgrad)
+
+    def _decision(self, module, mode, key, groups, fp8_wgrad) -> tuple[bool, bool]:
         decision = self._made.get(key)
         if decision is None:
             bucket = 1 << (key[0] - 1)  # the bucket's lower end: the cost model sees no fewer tokens
@@ -44,7 +54,7 @@ class Fp8Choice:
                 module.quant_config,
                 groups=groups,
                 fp8_wgrad=fp8_wgrad,
-                input_fp8=input_fp8,
+                input_fp8=key[1],
                 count_host=mode == "eager",
             )
             level = logging.INFO if not self._made else logging.DEBUG
@@ -62,4 +72,10 @@ class Fp8Choice:
                 experts,
                 decision,
             )
-        return decision
+        return decision.use_fp8, decision.fp8_wgrad
+
+
+@torch.compiler.assume_constant_result
+def _traced_decision(choice: Fp8Choice, module, mode, key, groups, fp8_wgrad) -> tuple[bool, bool]:
+    """``Fp8Choice._decision`` run by the tracer in plain Python, its result a constant of the graph."""
+    return choice._decision(module, mode, key, groups, fp8_wgrad)

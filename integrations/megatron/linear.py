@@ -264,8 +264,8 @@ class TurboLinear(_ExtraState, nn.Module):
         (``fp8_auto_filter``, set by ``apply_primus_turbo_to_megatron``) finds FP8 slower at this shape."""
         if self.quant_config is None or self.fp8_auto_filter is None:
             return self.quant_config
-        decision = self._fp8_choice.decide(self, self.fp8_auto_filter, tokens, input_fp8=input_fp8)
-        return self.quant_config if decision.use_fp8 else None
+        use_fp8, _ = self._fp8_choice.decide(self, self.fp8_auto_filter, tokens, input_fp8=input_fp8)
+        return self.quant_config if use_fp8 else None
 
     def _gemm(self, a: torch.Tensor | QuantizedTensor) -> torch.Tensor:
         """``a`` [tokens, in] (bf16, or already FP8 from a fused producer) times the weight."""

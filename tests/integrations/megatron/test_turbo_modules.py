@@ -651,3 +651,23 @@ def test_patch_sets_the_fp8_auto_filter(moe_fp8):
     finally:
         patch.undo()
     assert TurboLinear.fp8_auto_filter is None and TurboGroupedLinear.fp8_auto_filter is None
+
+
+def test_fp8_auto_filter_compiles_without_graph_breaks(moe_fp8, monkeypatch, caplog):
+    """Under torch.compile the decision runs while the graph is traced (logged there, once) and is a
+    constant of the graph: fullgraph compiles, no recompile on the next call, eager results."""
+    monkeypatch.setattr(TurboLinear, "fp8_auto_filter", "graph")
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_auto_filter", "graph")
+    layer = _column(tiny_config(fp8="e4m3", fp8_recipe="tensorwise")).to(_device())
+    fc1 = _fp8_grouped_fc1()
+    x = torch.randn(8, 64, dtype=torch.bfloat16, device=_device())
+    counts = torch.tensor([3, 0, 5], device=_device())
+    with caplog.at_level("INFO", logger="primus_turbo.integrations.megatron.fp8_choice"):
+        for module, args in ((layer, (x,)), (fc1, (x, counts))):
+            compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+            out = compiled(*args)[0]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                compiled(*args)
+            assert torch.equal(out, module(*args)[0])
+    logged = [r.getMessage() for r in caplog.records if "auto-filter" in r.getMessage()]
+    assert len(logged) == 2 and all("bf16" in line for line in logged)
