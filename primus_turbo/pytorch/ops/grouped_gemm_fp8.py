@@ -80,26 +80,26 @@ def _quantize_experts(
     k_axis = 2 if trans_b else 1
     n_axis = 3 - k_axis
     granularity = config.granularity
-    if granularity is _G.BLOCKWISE:
-        block, recipe = config.block_size, ScalingRecipe(use_2d_block=True)
-        if dgrad or k_axis == 1:
-            q, scale, q_t, _ = quantize_fp8_with_trans(
-                b, dtype, granularity, block_size=block, scaling_recipe=recipe
-            )
-            along = {2: q, 1: q_t.transpose(1, 2)}
-            return (along[k_axis], scale), (along[n_axis], scale) if dgrad else None
+    if granularity is _G.ROWWISE:
+        return _rowwise_along(b, dtype, k_axis), _rowwise_along(b, dtype, n_axis) if dgrad else None
+    block, recipe = config.block_size, ScalingRecipe(use_2d_block=True)
+    if not dgrad and k_axis == 2:  # the forward's layout is b's own: no transposed copy
+        if granularity is _G.TENSORWISE:
+            q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
+            return (q.view(b.shape), scale.view(-1, 1, 1)), None
         q, scale = quantize_fp8(
             b.reshape(-1, b.shape[2]), dtype, granularity, block_size=block, scaling_recipe=recipe
         )
         return (q.view(b.shape), scale.view(b.shape[0], b.shape[1] // block, -1)), None
-    if granularity is _G.TENSORWISE and not dgrad and k_axis == 2:  # the forward's layout is b's own
-        q, scale = quantize_fp8(b.reshape(b.shape[0], -1), dtype, _G.ROWWISE, axis=1)
-        return (q.view(b.shape), scale.view(-1, 1, 1)), None
-    if granularity is _G.TENSORWISE:  # both layouts from one read of each tile
+    # both layouts, from one read of each tile
+    if granularity is _G.TENSORWISE:
         q, q_t, scale = call_op(quantize_fp8_experts_tensorwise_impl, b, dtype)
-        along = {2: q, 1: q_t.transpose(1, 2)}
-        return (along[k_axis], scale), (along[n_axis], scale) if dgrad else None
-    return _rowwise_along(b, dtype, k_axis), _rowwise_along(b, dtype, n_axis) if dgrad else None
+    else:
+        q, scale, q_t, _ = quantize_fp8_with_trans(
+            b, dtype, granularity, block_size=block, scaling_recipe=recipe
+        )
+    along = {2: q, 1: q_t.transpose(1, 2)}
+    return (along[k_axis], scale), (along[n_axis], scale) if dgrad else None
 
 
 @dataclass(frozen=True)

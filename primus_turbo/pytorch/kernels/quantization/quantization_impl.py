@@ -331,8 +331,7 @@ def _with_trans(x, out_dtype, granularity, block_size, block_2d, triton_path):
         q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
         # copies, never views: a custom op's outputs must not alias each other
         contiguous = torch.contiguous_format
-        q_t = transpose_triton(q) if triton_path else q.t().clone(memory_format=contiguous)
-        return q, scale, q_t, scale.t().clone(memory_format=contiguous)
+        return q, scale, q.t().clone(memory_format=contiguous), scale.t().clone(memory_format=contiguous)
     if triton_path and granularity in (_BLOCKWISE, _MX):
         return _with_trans_blocks(x, out_dtype, granularity, block_size)
     q, scale = _quantize(x, out_dtype, granularity, block_size, 1, block_2d, triton_path)
