@@ -2,7 +2,8 @@
 
 Without a GPU, Triton kernels run under ``TRITON_INTERPRET=1``. The interpreter in triton 3.7-3.9 has two
 numerics bugs that are not ours, corrected here (tests only): bf16 ``tl.dot`` operands are multiplied as
-raw 16-bit patterns, and casts to fp8 drop the mantissa carry instead of rounding to nearest even.
+raw 16-bit patterns, and casts to fp8 (and from fp32 to bf16) drop the mantissa carry instead of rounding
+to nearest even.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ if not HAS_GPU:
 
 
 def _patch_triton_interpreter() -> None:
+    import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -53,6 +55,7 @@ def _patch_triton_interpreter() -> None:
         return
     original_dot = builder.create_dot
     original_fp_to_fp = builder.create_fp_to_fp
+    original_cast = builder.cast_impl
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.scalar == tl.bfloat16:
@@ -73,8 +76,15 @@ def _patch_triton_interpreter() -> None:
         converted = values.to(fp8_targets[dst]).view(torch.uint8).numpy()
         return interpreter.TensorHandle(converted, dst)
 
+    def cast_impl(self, src, dst_type):
+        if not (src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16):
+            return original_cast(self, src, dst_type)
+        values = torch.from_numpy(src.data.copy()).to(torch.bfloat16)
+        return interpreter.TensorHandle(values.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
     builder.create_dot = create_dot
     builder.create_fp_to_fp = create_fp_to_fp
+    builder.cast_impl = cast_impl
     builder._primus_turbo_patched = True
 
 

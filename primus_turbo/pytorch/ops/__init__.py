@@ -14,9 +14,10 @@ from primus_turbo.pytorch.ops.async_tp import (
     fused_matmul_reduce_scatter,
 )
 from primus_turbo.pytorch.ops.attention import flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_func
+from primus_turbo.pytorch.ops.fp8_primary import Fp8PrimaryWeight, adamw_fp8_step_
 from primus_turbo.pytorch.ops.gemm import gemm
 from primus_turbo.pytorch.ops.gemm_fp4 import gemm_fp4
-from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8
+from primus_turbo.pytorch.ops.gemm_fp8 import gemm_fp8, quantize_fp8_weight
 from primus_turbo.pytorch.ops.grouped_gemm import grouped_gemm
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import QuantizedExperts, grouped_gemm_fp8, quantize_fp8_experts
 from primus_turbo.pytorch.ops.moe import (
@@ -39,8 +40,10 @@ from primus_turbo.pytorch.ops.quantization import (
 )
 
 __all__ = [
+    "Fp8PrimaryWeight",
     "QuantizedExperts",
     "QuantizedTensor",
+    "adamw_fp8_step_",
     "dequantize_fp4",
     "dequantize_fp8",
     "flash_attn_fp8_func",
@@ -66,6 +69,7 @@ __all__ = [
     "quantize_fp4",
     "quantize_fp4_with_trans",
     "quantize_fp8",
+    "quantize_fp8_weight",
     "quantize_fp8_with_trans",
     "rmsnorm",
     "rmsnorm_fp8",

@@ -1,0 +1,201 @@
+"""FP8 primary weights: a weight's FP8 copies kept next to it and written by the optimizer step.
+
+``Fp8PrimaryWeight`` holds the copies of one weight [N, K] (a linear's) or of a layer's expert weights
+(G of them, [N, K] each): the forward's ``q`` [G, N, K], the input gradient's ``q_t`` [G, K, N] and their
+scales, laid out as ``quantize_fp8_weight`` / ``quantize_fp8_experts(..., trans_b=True)`` return them, so
+a forward reads them as its ``QuantizedTensor`` / ``QuantizedExperts`` without quantizing. ``adamw_fp8_step_``
+updates a weight and writes its slot of the copies in one kernel. Each slot remembers the weight's version
+counter and storage at its last write: an in-place change by anything else (a checkpoint load, another
+optimizer) makes it stale, and ``view`` quantizes stale slots again first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from primus_turbo.pytorch.core.custom_op import call_op
+from primus_turbo.pytorch.core.low_precision import (
+    Float8QuantConfig,
+    ScalingGranularity,
+    ScalingRecipe,
+    fp8_dtype_for,
+)
+from primus_turbo.pytorch.core.validation import check_dtype, check_tensor
+from primus_turbo.pytorch.kernels.optim.adamw_fp8_impl import adamw_fp8_step_impl
+from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
+from primus_turbo.pytorch.ops.grouped_gemm_fp8 import QuantizedExperts, quantize_fp8_experts
+from primus_turbo.pytorch.ops.quantization import QuantizedTensor
+
+__all__ = ["Fp8PrimaryWeight", "adamw_fp8_step_", "fp8_primary_of"]
+
+_G = ScalingGranularity
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ATTR = "turbo_fp8_primary"
+
+
+class Fp8PrimaryWeight:
+    """The FP8 copies of ``weights`` (one [N, K] weight, or with ``experts`` a layer's G expert weights)
+    under ``config`` (TENSORWISE, or BLOCKWISE with B x B blocks). Each weight gets attribute
+    ``turbo_fp8_primary = (this, slot)``. ``owner`` is set by an optimizer that writes the copies in its
+    step (``FusedAdamW``): a CUDA graph may then read them, since every step rewrites them in place."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], config: Float8QuantConfig, experts: bool) -> None:
+        weights = list(weights)
+        if not weights or (not experts and len(weights) != 1):
+            raise ValueError(f"FP8 primary weights: one weight, or a list of experts' (got {len(weights)})")
+        for i, w in enumerate(weights):
+            check_tensor(f"weights[{i}]", w, dim=2)
+            check_dtype(f"weights[{i}].dtype", w.dtype, _WEIGHT_DTYPES)
+            if w.shape != weights[0].shape or w.device != weights[0].device:
+                raise ValueError("FP8 primary weights: the experts' weights must share one shape and device")
+        if config.granularity not in (_G.TENSORWISE, _G.BLOCKWISE):
+            raise ValueError(
+                f"FP8 primary weights are TENSORWISE or BLOCKWISE (2-D blocks), got {config.granularity.name}"
+            )
+        n, k = weights[0].shape
+        self.block = config.block_size if config.granularity is _G.BLOCKWISE else 0
+        if self.block and (n % self.block or k % self.block):
+            raise ValueError(
+                f"BLOCKWISE FP8 primary weights need N and K multiples of {self.block}, got {n}, {k}"
+            )
+        self.config, self.experts, self.owner = config, experts, None
+        groups, device, dtype = len(weights), weights[0].device, fp8_dtype_for(config.format, is_forward=True)
+        self.q = torch.empty((groups, n, k), dtype=dtype, device=device)
+        self.q_t = torch.empty((groups, k, n), dtype=dtype, device=device)
+        if self.block:
+            blocks = (n // self.block, k // self.block)
+            self.scale = torch.empty((groups, *blocks), dtype=torch.float32, device=device)
+            self.scale_t = torch.empty((groups, blocks[1], blocks[0]), dtype=torch.float32, device=device)
+        else:
+            self.scale, self.scale_t = torch.empty(groups, dtype=torch.float32, device=device), None
+        self._stamps: list[tuple[int, int] | None] = [None] * groups
+        for slot, w in enumerate(weights):
+            setattr(w, ATTR, (self, slot))
+
+    def fresh(self, weights: Sequence[torch.Tensor]) -> bool:
+        """Whether every slot was written from its weight as it is now (same version, same storage)."""
+        stamps = self._stamps
+        return all(stamps[i] == (w._version, w.data_ptr()) for i, w in enumerate(weights))
+
+    def stamp(self, slot: int, weight: torch.Tensor) -> None:
+        """Record that ``slot`` now holds the quantization of ``weight``."""
+        self._stamps[slot] = (weight._version, weight.data_ptr())
+
+    @torch.no_grad()
+    def refresh(self, weights: Sequence[torch.Tensor]) -> None:
+        """Quantize ``weights`` into the copies again (as the forward would quantize them)."""
+        if self.experts:
+            made = quantize_fp8_experts(torch.stack(list(weights)), self.config, trans_b=True)
+            self.q.copy_(made.forward[0])
+            self.q_t.copy_(made.dgrad[0].transpose(1, 2))
+            self.scale.copy_(made.forward[1].view(self.scale.shape))
+            if self.scale_t is not None:
+                self.scale_t.copy_(made.forward[1].transpose(1, 2))
+        else:
+            made = quantize_fp8_weight(weights[0], self.config)
+            self.q[0].copy_(made.data)
+            self.q_t[0].copy_(made.data_t)
+            self.scale.copy_(made.scale_inv.view(self.scale.shape))
+            if self.scale_t is not None:
+                self.scale_t[0].copy_(made.scale_inv_t)
+        for slot, w in enumerate(weights):
+            self.stamp(slot, w)
+
+    def view(self, weights: Sequence[torch.Tensor]) -> QuantizedTensor | QuantizedExperts:
+        """The copies as the GEMMs read them (quantized again first where stale): a ``QuantizedTensor``
+        whose gradient reaches ``weights[0]``, or with ``experts`` a ``QuantizedExperts``."""
+        if not self.fresh(weights):
+            self.refresh(weights)
+        if self.experts:
+            scale = self.scale if self.block else self.scale.view(-1, 1, 1)
+            return QuantizedExperts(
+                (self.q, scale), (self.q_t.transpose(1, 2), scale), self.config, True, self.q.shape
+            )
+        recipe = ScalingRecipe(use_2d_block=True) if self.block else None
+        scale = self.scale[0] if self.block else self.scale.view(())
+        scale_t = self.scale_t[0] if self.block else scale
+        return QuantizedTensor(
+            self.q[0],
+            scale,
+            self.config.granularity,
+            self.config.block_size,
+            None,
+            recipe,
+            weights[0].dtype,
+            hp=weights[0],
+            data_t=self.q_t[0],
+            scale_inv_t=scale_t,
+        )
+
+
+def fp8_primary_of(weight: torch.Tensor) -> tuple[Fp8PrimaryWeight, int] | None:
+    """``(copies, slot)`` of a weight with FP8 primary copies, else None."""
+    return getattr(weight, ATTR, None)
+
+
+def adamw_fp8_step_(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+    master: torch.Tensor | None = None,
+) -> None:
+    """AdamW step ``step`` (1-based, ``torch.optim.AdamW``'s update) of ``weight``, which must have FP8
+    primary copies, writing its slot of them from the updated weight in the same kernel.
+
+    ``exp_avg``/``exp_avg_sq`` are fp32 of the weight's shape; with ``master`` (fp32) the update runs on
+    it and ``weight`` receives it rounded. Everything is updated in place."""
+    primary = fp8_primary_of(weight)
+    if primary is None:
+        raise ValueError("adamw_fp8_step_: weight has no FP8 primary copies (make an Fp8PrimaryWeight)")
+    copies, slot = primary
+    check_tensor("weight", weight, dim=2)
+    check_tensor("grad", grad)
+    if grad.shape != weight.shape:
+        raise ValueError(f"grad must have weight's shape {tuple(weight.shape)}, got {tuple(grad.shape)}")
+    check_dtype("grad.dtype", grad.dtype, _WEIGHT_DTYPES)
+    for name, state in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
+        if state is None:
+            continue
+        check_tensor(name, state)
+        if state.shape != weight.shape or state.dtype != torch.float32 or not state.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous fp32 tensor of weight's shape {tuple(weight.shape)}"
+            )
+        if state.device != weight.device:
+            raise ValueError(f"{name} must be on {weight.device}, got {state.device}")
+    if not weight.is_contiguous():
+        raise ValueError("adamw_fp8_step_: weight must be contiguous")
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    beta1, beta2 = betas
+    rows, cols = weight.shape
+    block = copies.block
+    call_op(
+        adamw_fp8_step_impl,
+        weight.view(1, rows, cols),
+        grad.contiguous().view(1, rows, cols),
+        exp_avg.view(1, rows, cols),
+        exp_avg_sq.view(1, rows, cols),
+        None if master is None else master.view(1, rows, cols),
+        copies.q[slot : slot + 1],
+        copies.q_t[slot : slot + 1],
+        copies.scale[slot : slot + 1],
+        None if copies.scale_t is None else copies.scale_t[slot : slot + 1],
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        int(step),
+        block,
+    )
+    copies.stamp(slot, weight)

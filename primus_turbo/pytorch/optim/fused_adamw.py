@@ -1,0 +1,119 @@
+"""``FusedAdamW``: ``torch.optim.AdamW`` whose step also writes the FP8 copies of weights that have FP8
+primary copies (``ops.fp8_primary``), in one kernel per weight, so no forward quantizes them.
+
+Other parameters take ``torch.optim.AdamW``'s own step. The state keeps AdamW's keys (``step``,
+``exp_avg``, ``exp_avg_sq``; fp32 moments for FP8-primary weights) and, with ``master_weights``, an fp32
+``master_param`` per FP8-primary low-precision weight: the state dict loads into ``torch.optim.AdamW``
+and the model's weights stay a plain bf16 checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from primus_turbo.pytorch.ops.fp8_primary import adamw_fp8_step_, fp8_primary_of
+
+__all__ = ["FusedAdamW"]
+
+_FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """AdamW (``torch.optim.AdamW``'s arguments and update) writing FP8 primary weights in its step.
+
+    ``master_weights``: keep an fp32 master copy of each FP8-primary bf16/fp16 weight and update that
+    (the weight is then its rounding), as mixed-precision optimizers do. Not supported for FP8-primary
+    weights: ``amsgrad``, ``capturable``, ``differentiable``, ``fused``."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        master_weights: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+        self.master_weights = master_weights
+        for group in self.param_groups:
+            primaries = [p for p in group["params"] if fp8_primary_of(p) is not None]
+            unsupported = [
+                key for key in ("amsgrad", "capturable", "differentiable", "fused") if group.get(key)
+            ]
+            if primaries and unsupported:
+                raise ValueError(f"FusedAdamW: FP8 primary weights do not support {', '.join(unsupported)}")
+            for p in primaries:
+                fp8_primary_of(p)[0].owner = self
+
+    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """AdamW's state of an FP8-primary weight, its moments fp32 (converted after a state-dict load)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(
+                p, dtype=torch.float32, memory_format=torch.contiguous_format
+            )
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state[key].dtype != torch.float32:
+                state[key] = state[key].float().contiguous()
+        if self.master_weights and p.dtype != torch.float32 and "master_param" not in state:
+            state["master_param"] = p.detach().float().contiguous()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping the fp32 moments and masters of FP8-primary
+        weights fp32 (the base class casts every state tensor to its parameter's dtype)."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for p, index in zip(group["params"], saved_group["params"], strict=True):
+                if fp8_primary_of(p) is None or index not in saved:
+                    continue
+                for key in _FP32_STATE:
+                    if key in saved[index]:
+                        self.state[p][key] = saved[index][key].to(device=p.device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step: the fused FP8 step for FP8-primary weights, ``torch.optim.AdamW``'s for the rest."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hidden = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or fp8_primary_of(p) is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients")
+                state = self._state_of(p)
+                state["step"] += 1
+                grad = -p.grad if group["maximize"] else p.grad
+                adamw_fp8_step_(
+                    p,
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    lr=float(group["lr"]),
+                    betas=group["betas"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(state["step"].item()),
+                    master=state.get("master_param"),
+                )
+                hidden.append((p, p.grad))
+                p.grad = None
+        try:
+            super().step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        return loss

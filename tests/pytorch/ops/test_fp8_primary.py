@@ -1,0 +1,221 @@
+"""FP8 primary weights: the fused AdamW step against the TORCH reference and torch.optim.AdamW, its FP8
+copies equal to quantizing the stored weight (bit for bit), experts' slots, staleness, the op contract
+and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+from primus_turbo.pytorch.kernels.optim import adamw_fp8_impl as impl
+from primus_turbo.pytorch.ops import quantize_fp8_experts, quantize_fp8_weight
+from primus_turbo.pytorch.ops.fp8_primary import Fp8PrimaryWeight, adamw_fp8_step_
+from tests.pytorch.test_utils import DEVICES
+
+DEVICE = DEVICES[0]
+G = ScalingGranularity
+BLOCK = 128 if DEVICE == "cuda" else 32
+CONFIGS = {
+    "tensorwise": Float8QuantConfig(),
+    "blockwise": Float8QuantConfig(granularity=G.BLOCKWISE, block_size=BLOCK),
+}
+SHAPE = (2 * BLOCK, 3 * BLOCK)
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _randn(shape, dtype=torch.float32, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _state(shape):
+    return torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE)
+
+
+def _assert_copies_match_weight(copies: Fp8PrimaryWeight, weight: torch.Tensor, config) -> None:
+    """The FP8 copies are what ``quantize_fp8_weight`` makes of the weight as stored."""
+    made = quantize_fp8_weight(weight, config)
+    assert torch.equal(_bits(copies.q[0]), _bits(made.data))
+    assert torch.equal(_bits(copies.q_t[0]), _bits(made.data_t))
+    assert torch.equal(copies.scale.view(-1), made.scale_inv.reshape(-1))
+    if copies.scale_t is not None:
+        assert torch.equal(copies.scale_t[0], made.scale_inv_t)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copies_equal_quantized_weight(name, dtype):
+    """After every fused step the copies are the quantization of the stored weight, and the update is
+    the TORCH reference's."""
+    config = CONFIGS[name]
+    weight, ref = _randn(SHAPE, dtype), _randn(SHAPE, dtype)
+    copies = Fp8PrimaryWeight([weight], config, experts=False)
+    ref_copies = Fp8PrimaryWeight([ref], config, experts=False)
+    m, v = _state(SHAPE)
+    rm, rv = _state(SHAPE)
+    for step in (1, 2, 3):
+        grad = _randn(SHAPE, dtype, seed=step)
+        adamw_fp8_step_(weight, grad, m, v, step=step, **HYPER)
+        args = [t.view(1, *SHAPE) for t in (ref, grad, rm, rv)]
+        st = ref_copies.scale_t
+        impl.adamw_fp8_step_reference(
+            *args, None, ref_copies.q, ref_copies.q_t, ref_copies.scale, st,
+            HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"], step, ref_copies.block,
+        )  # fmt: skip
+        _assert_copies_match_weight(copies, weight, config)
+        assert copies.fresh([weight])
+    if dtype is torch.bfloat16:
+        # a step smaller than a bf16 ulp rounds to no move or one ulp: an fp32 rounding difference in the
+        # update (fused multiply-adds, division) can flip that, at most one ulp a step
+        ulp = ref.float().abs() * 2.0**-7
+        assert ((weight.float() - ref.float()).abs() <= 3 * ulp).all()
+    else:
+        torch.testing.assert_close(weight, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m, rm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-8)
+
+
+def test_update_matches_torch_adamw():
+    """fp32 weight: three fused steps land where ``torch.optim.AdamW`` does."""
+    weight = _randn(SHAPE)
+    reference = torch.nn.Parameter(weight.clone())
+    copies = Fp8PrimaryWeight([weight], CONFIGS["tensorwise"], experts=False)
+    torch_opt = torch.optim.AdamW([reference], **HYPER)
+    m, v = _state(SHAPE)
+    for step in (1, 2, 3):
+        grad = _randn(SHAPE, seed=step)
+        adamw_fp8_step_(weight, grad, m, v, step=step, **HYPER)
+        reference.grad = grad.clone()
+        torch_opt.step()
+    torch.testing.assert_close(weight, reference.detach(), rtol=1e-5, atol=1e-6)
+    assert copies.fresh([weight])
+
+
+def test_master_weight():
+    """With an fp32 master the update runs on it and the bf16 weight is its rounding."""
+    config = CONFIGS["blockwise"]
+    master = _randn(SHAPE)
+    weight = master.to(torch.bfloat16)
+    copies = Fp8PrimaryWeight([weight], config, experts=False)
+    fp32 = master.clone()
+    m, v = _state(SHAPE)
+    fm, fv = _state(SHAPE)
+    for step in (1, 2):
+        grad = _randn(SHAPE, torch.bfloat16, seed=step)
+        adamw_fp8_step_(weight, grad, m, v, step=step, master=master, **HYPER)
+        fp32_copies = Fp8PrimaryWeight([fp32], CONFIGS["tensorwise"], experts=False)
+        adamw_fp8_step_(fp32, grad.float(), fm, fv, step=step, **HYPER)
+        del fp32_copies
+    torch.testing.assert_close(master, fp32, rtol=1e-5, atol=1e-6)
+    assert torch.equal(weight, master.to(torch.bfloat16))
+    _assert_copies_match_weight(copies, weight, config)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_experts_slots(name):
+    """Each expert's step writes its own slot; together they are ``quantize_fp8_experts`` of the stack."""
+    config = CONFIGS[name]
+    experts = [_randn(SHAPE, torch.bfloat16, seed=10 + i, scale=1 + i) for i in range(3)]
+    copies = Fp8PrimaryWeight(experts, config, experts=True)
+    for i, w in enumerate(experts):
+        m, v = _state(SHAPE)
+        adamw_fp8_step_(w, _randn(SHAPE, torch.bfloat16, seed=i), m, v, step=1, **HYPER)
+    assert copies.fresh(experts)
+    view = copies.view(experts)
+    made = quantize_fp8_experts(torch.stack(experts), config, trans_b=True)
+    for (q, s), (rq, rs) in ((view.forward, made.forward), (view.dgrad, made.dgrad)):
+        assert torch.equal(_bits(q.contiguous()), _bits(rq.contiguous()))
+        assert torch.equal(s, rs)
+
+
+def test_stale_copies_are_quantized_again():
+    """An in-place change by anything but the fused step makes the copies stale; ``view`` redoes them."""
+    config = CONFIGS["tensorwise"]
+    weight = _randn(SHAPE, torch.bfloat16)
+    copies = Fp8PrimaryWeight([weight], config, experts=False)
+    assert not copies.fresh([weight])
+    copies.view([weight])
+    assert copies.fresh([weight])
+    with torch.no_grad():
+        weight.mul_(3)
+    assert not copies.fresh([weight])
+    view = copies.view([weight])
+    assert view.hp is weight
+    _assert_copies_match_weight(copies, weight, config)
+
+
+def test_non_finite_gradient_gives_nan_scale():
+    config = CONFIGS["blockwise"]
+    weight = _randn(SHAPE, torch.bfloat16)
+    copies = Fp8PrimaryWeight([weight], config, experts=False)
+    grad = _randn(SHAPE, torch.bfloat16, seed=1)
+    grad[0, 0] = float("nan")
+    m, v = _state(SHAPE)
+    adamw_fp8_step_(weight, grad, m, v, step=1, **HYPER)
+    assert copies.scale[0, 0, 0].isnan() and not copies.scale[0, 1:, :].isnan().any()
+
+
+def _op_args(name, dtype=torch.bfloat16):
+    config = CONFIGS[name]
+    weight = _randn(SHAPE, dtype)
+    copies = Fp8PrimaryWeight([weight], config, experts=False)
+    m, v = _state(SHAPE)
+    grad = _randn(SHAPE, dtype, seed=1)
+    view = [t.view(1, *SHAPE) for t in (weight, grad, m, v)]
+    return (*view, None, copies.q, copies.q_t, copies.scale, copies.scale_t, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1,
+            copies.block)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_opcheck(name):
+    # opcheck's schema test multiplies every input tensor, which torch does not implement for fp8 dtypes;
+    # the mutation schema is covered by the fake and AOT tests
+    torch.library.opcheck(
+        impl.adamw_fp8_step_impl,
+        _op_args(name),
+        test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )
+
+
+def test_compile_fullgraph():
+    """The step compiles as one graph and writes what eager writes."""
+    eager, compiled = _op_args("blockwise"), _op_args("blockwise")
+
+    def step(*args):
+        torch.ops.primus_turbo.adamw_fp8_step(*args)
+
+    step(*eager)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled)
+    for a, b in zip(eager[:9], compiled[:9], strict=True):
+        if a is not None:
+            assert torch.equal(
+                _bits(a) if a.element_size() == 1 else a, _bits(b) if b.element_size() == 1 else b
+            )
+
+
+def test_bad_input():
+    config = CONFIGS["blockwise"]
+    weight = _randn(SHAPE, torch.bfloat16)
+    m, v = _state(SHAPE)
+    with pytest.raises(ValueError, match="no FP8 primary copies"):
+        adamw_fp8_step_(weight, weight, m, v, step=1, **HYPER)
+    Fp8PrimaryWeight([weight], config, experts=False)
+    with pytest.raises(ValueError, match="grad must have weight's shape"):
+        adamw_fp8_step_(weight, weight[:, :BLOCK], m, v, step=1, **HYPER)
+    with pytest.raises(ValueError, match="exp_avg must be a contiguous fp32"):
+        adamw_fp8_step_(weight, weight, m.bfloat16(), v, step=1, **HYPER)
+    with pytest.raises(ValueError, match="step counts from 1"):
+        adamw_fp8_step_(weight, weight, m, v, step=0, **HYPER)
+    with pytest.raises(ValueError, match="TENSORWISE or BLOCKWISE"):
+        Fp8PrimaryWeight([weight], Float8QuantConfig(granularity=G.ROWWISE), experts=False)
+    with pytest.raises(ValueError, match="multiples of"):
+        Fp8PrimaryWeight([_randn((BLOCK + 1, BLOCK))], config, experts=False)
+    with pytest.raises(ValueError, match="one weight"):
+        Fp8PrimaryWeight([weight, weight], config, experts=False)
+    with pytest.raises(ValueError, match="share one shape"):
+        Fp8PrimaryWeight([weight, weight[:BLOCK]], config, experts=True)
