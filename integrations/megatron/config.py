@@ -288,8 +288,6 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         )
     if _get(config, "fp4"):
         raise ValueError("--fp4 is not supported by the Primus-Turbo integration; train with --fp8")
-    if _get(config, "fp8_param", False):
-        raise ValueError("fp8_param (FP8 parameter storage) is not supported by Turbo linears")
     if deepep and _get(config, "moe_shared_expert_overlap", False):
         raise ValueError(
             "the Turbo dispatcher cannot overlap shared experts; drop --moe-shared-expert-overlap"
@@ -297,6 +295,18 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
     if deepep and _get(config, "moe_pad_expert_input_to_capacity", False):
         raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
     fp8 = fp8_quant_config(config) if (gemm or grouped) else None
+    if (
+        _get(config, "fp8_param", False)
+        and (gemm or grouped)
+        and (
+            fp8 is None
+            or fp8.granularity not in (ScalingGranularity.TENSORWISE, ScalingGranularity.BLOCKWISE)
+        )
+    ):
+        raise ValueError(
+            "fp8_param (--fp8-param-gather) keeps FP8 primary copies of the Turbo linears' weights: it "
+            "needs --fp8 with --fp8-recipe tensorwise or blockwise"
+        )
     if fp8 is not None and grouped and fp8.granularity is ScalingGranularity.MX_BLOCKWISE:
         raise ValueError("Turbo grouped GEMM has no mxfp8 path; use --fp8-recipe tensorwise or blockwise")
     if fp8 is not None and _get(config, "first_last_layers_bf16", False):

@@ -279,6 +279,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
             self,
             self._experts("weight"),
             lambda: quantize_fp8_experts(weight.detach(), self.quant_config, trans_b=True),
+            experts=True,
         )
 
     def backward_dw(self) -> None:

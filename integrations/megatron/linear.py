@@ -47,6 +47,7 @@ from primus_turbo.pytorch.ops import (
     rmsnorm,
     rmsnorm_fp8,
 )
+from primus_turbo.pytorch.ops.fp8_primary import fp8_primary_view
 from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
 from primus_turbo.pytorch.ops.quantization import FUSED_FP8_GRANULARITIES, QuantizedTensor
 
@@ -76,15 +77,29 @@ class FP8WeightCache:
     (checked first: no guard on the flag), and while a CUDA graph is being captured: a replayed graph
     must quantize the weights the optimizer has changed since, and a cache hit at capture time would
     leave the quantization out of the graph for good.
+
+    With ``config.fp8_param`` (Megatron's ``--fp8-param-gather``) the copies are the weights' FP8 primary
+    copies instead (``ops.fp8_primary``): kept with the weights, written by ``FusedAdamW``'s step (or
+    quantized again on the first forward after any other change), and read by a CUDA graph when that
+    optimizer owns them.
     """
 
     def __init__(self) -> None:
         self.key: tuple[tuple[int, int], ...] | None = None
         self.value: Any = None
 
-    def get(self, module: nn.Module, weights: Sequence[torch.Tensor], make: Callable[[], Any]) -> Any:
+    def get(
+        self,
+        module: nn.Module,
+        weights: Sequence[torch.Tensor],
+        make: Callable[[], Any],
+        experts: bool = False,
+    ) -> Any:
         """The cached copies of ``weights`` (``make()`` again when the weights changed, by an in-place
-        update or a new storage, or on the first micro-batch)."""
+        update or a new storage, or on the first micro-batch); the FP8 primary copies with ``fp8_param``
+        (``experts``: ``weights`` are a layer's experts')."""
+        if getattr(module.config, "fp8_param", False):
+            return fp8_primary_view(weights, module.quant_config, experts)
         if torch.compiler.is_compiling() or module.is_first_microbatch is None or _capturing_cuda_graph():
             return None
         if getattr(module.config, "disable_parameter_transpose_cache", False):

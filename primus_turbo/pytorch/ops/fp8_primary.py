@@ -11,6 +11,7 @@ optimizer) makes it stale, and ``view`` quantizes stale slots again first.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +29,7 @@ from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import QuantizedExperts, quantize_fp8_experts
 from primus_turbo.pytorch.ops.quantization import QuantizedTensor
 
-__all__ = ["Fp8PrimaryWeight", "adamw_fp8_step_", "fp8_primary_of"]
+__all__ = ["Fp8PrimaryWeight", "adamw_fp8_step_", "fp8_primary_of", "fp8_primary_view"]
 
 _G = ScalingGranularity
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -60,8 +61,30 @@ class Fp8PrimaryWeight:
             raise ValueError(
                 f"BLOCKWISE FP8 primary weights need N and K multiples of {self.block}, got {n}, {k}"
             )
-        self.config, self.experts, self.owner = config, experts, None
-        groups, device, dtype = len(weights), weights[0].device, fp8_dtype_for(config.format, is_forward=True)
+        self.config, self.experts, self._owner = config, experts, None
+        self._allocate(len(weights), n, k, weights[0].device)
+        for slot, w in enumerate(weights):
+            setattr(w, ATTR, (self, slot))
+
+    @property
+    def owner(self) -> object | None:
+        """The optimizer that writes these copies in its step, if any (held weakly)."""
+        return None if self._owner is None else self._owner()
+
+    @owner.setter
+    def owner(self, optimizer: object) -> None:
+        self._owner = weakref.ref(optimizer)
+
+    @staticmethod
+    def supports(shape: Sequence[int], config: Float8QuantConfig) -> bool:
+        """Whether [N, K] weights can have FP8 primary copies under ``config``."""
+        if config.granularity is _G.TENSORWISE:
+            return True
+        block = config.block_size
+        return config.granularity is _G.BLOCKWISE and shape[-1] % block == 0 and shape[-2] % block == 0
+
+    def _allocate(self, groups: int, n: int, k: int, device: torch.device) -> None:
+        dtype = fp8_dtype_for(self.config.format, is_forward=True)
         self.q = torch.empty((groups, n, k), dtype=dtype, device=device)
         self.q_t = torch.empty((groups, k, n), dtype=dtype, device=device)
         if self.block:
@@ -71,8 +94,6 @@ class Fp8PrimaryWeight:
         else:
             self.scale, self.scale_t = torch.empty(groups, dtype=torch.float32, device=device), None
         self._stamps: list[tuple[int, int] | None] = [None] * groups
-        for slot, w in enumerate(weights):
-            setattr(w, ATTR, (self, slot))
 
     def fresh(self, weights: Sequence[torch.Tensor]) -> bool:
         """Whether every slot was written from its weight as it is now (same version, same storage)."""
@@ -106,6 +127,8 @@ class Fp8PrimaryWeight:
     def view(self, weights: Sequence[torch.Tensor]) -> QuantizedTensor | QuantizedExperts:
         """The copies as the GEMMs read them (quantized again first where stale): a ``QuantizedTensor``
         whose gradient reaches ``weights[0]``, or with ``experts`` a ``QuantizedExperts``."""
+        if self.q.device != weights[0].device:  # the module moved (``.to()``): follow it
+            self._allocate(*self.q.shape, weights[0].device)
         if not self.fresh(weights):
             self.refresh(weights)
         if self.experts:
@@ -133,6 +156,28 @@ class Fp8PrimaryWeight:
 def fp8_primary_of(weight: torch.Tensor) -> tuple[Fp8PrimaryWeight, int] | None:
     """``(copies, slot)`` of a weight with FP8 primary copies, else None."""
     return getattr(weight, ATTR, None)
+
+
+def fp8_primary_view(
+    weights: Sequence[torch.Tensor], config: Float8QuantConfig, experts: bool
+) -> QuantizedTensor | QuantizedExperts | None:
+    """The FP8 copies a forward reads for ``weights`` (a linear's one, or a layer's experts'), made on
+    first use; None where the call must quantize the weights itself: inside a torch.compile graph, and
+    while a CUDA graph is captured unless the copies are fresh and an optimizer rewrites them in place
+    each step (``owner``; else a replay would read copies frozen at capture time)."""
+    if torch.compiler.is_compiling() or not Fp8PrimaryWeight.supports(weights[0].shape, config):
+        return None
+    capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    primary = fp8_primary_of(weights[0])
+    if primary is None:
+        if capturing:
+            return None
+        copies = Fp8PrimaryWeight(weights, config, experts)
+    else:
+        copies = primary[0]
+    if copies.config != config or (capturing and (copies.owner is None or not copies.fresh(weights))):
+        return None
+    return copies.view(weights)
 
 
 def adamw_fp8_step_(

@@ -18,6 +18,7 @@ from primus_turbo.pytorch.ops.fp8_primary import adamw_fp8_step_, fp8_primary_of
 
 __all__ = ["FusedAdamW"]
 
+_UNSUPPORTED = ("amsgrad", "capturable", "differentiable", "fused")
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
 
 
@@ -25,8 +26,9 @@ class FusedAdamW(torch.optim.AdamW):
     """AdamW (``torch.optim.AdamW``'s arguments and update) writing FP8 primary weights in its step.
 
     ``master_weights``: keep an fp32 master copy of each FP8-primary bf16/fp16 weight and update that
-    (the weight is then its rounding), as mixed-precision optimizers do. Not supported for FP8-primary
-    weights: ``amsgrad``, ``capturable``, ``differentiable``, ``fused``."""
+    (the weight is then its rounding), as mixed-precision optimizers do. Weights may get their FP8 copies
+    after the optimizer is made (a module makes them on its first FP8 forward). Not supported for
+    FP8-primary weights: ``amsgrad``, ``capturable``, ``differentiable``, ``fused``; sparse gradients."""
 
     def __init__(
         self,
@@ -41,15 +43,6 @@ class FusedAdamW(torch.optim.AdamW):
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
         self.master_weights = master_weights
-        for group in self.param_groups:
-            primaries = [p for p in group["params"] if fp8_primary_of(p) is not None]
-            unsupported = [
-                key for key in ("amsgrad", "capturable", "differentiable", "fused") if group.get(key)
-            ]
-            if primaries and unsupported:
-                raise ValueError(f"FusedAdamW: FP8 primary weights do not support {', '.join(unsupported)}")
-            for p in primaries:
-                fp8_primary_of(p)[0].owner = self
 
     def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """AdamW's state of an FP8-primary weight, its moments fp32 (converted after a state-dict load)."""
@@ -90,10 +83,17 @@ class FusedAdamW(torch.optim.AdamW):
         hidden = []
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None or fp8_primary_of(p) is None:
+                primary = fp8_primary_of(p)
+                if p.grad is None or primary is None:
                     continue
+                unsupported = [key for key in _UNSUPPORTED if group.get(key)]
+                if unsupported:
+                    raise ValueError(
+                        f"FusedAdamW: FP8 primary weights do not support {', '.join(unsupported)}"
+                    )
                 if p.grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not support sparse gradients")
+                primary[0].owner = self  # the copies are rewritten in place every step from now on
                 state = self._state_of(p)
                 state["step"] += 1
                 grad = -p.grad if group["maximize"] else p.grad

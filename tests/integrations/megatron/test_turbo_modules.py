@@ -671,3 +671,103 @@ def test_fp8_auto_filter_compiles_without_graph_breaks(moe_fp8, monkeypatch, cap
             assert torch.equal(out, module(*args)[0])
     logged = [r.getMessage() for r in caplog.records if "auto-filter" in r.getMessage()]
     assert len(logged) == 2 and all("bf16" in line for line in logged)
+
+
+def _primary_pair(recipe: str, grouped: bool):
+    """(a layer with FP8 primary weights, the same layer without): 128-multiples, as blocks need."""
+    from primus_turbo.pytorch.ops.fp8_primary import fp8_primary_of
+
+    layers = []
+    for fp8_param in (True, False):
+        torch.manual_seed(0)
+        config = tiny_moe_config(
+            moe_grouped_gemm=True, fp8="e4m3", fp8_recipe=recipe, fp8_param=fp8_param, hidden_size=128
+        )
+        args = dict(config=config, init_method=_init, bias=False, skip_bias_add=False, is_expert=grouped)
+        if grouped:
+            layer = TurboColumnParallelGroupedLinear(2, 128, 256, **args)
+        else:
+            layer = TurboColumnParallelLinear(128, 256, gather_output=False, **args)
+        layers.append(layer.to(_device()))
+    return (*layers, fp8_primary_of)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_param_reads_the_copies_the_optimizer_writes(moe_fp8, recipe, grouped):
+    """``fp8_param``: the layer's FP8 copies are made on its first forward, then written by FusedAdamW's
+    step and read as they are (no quantization in the forward); outputs and gradients are bit for bit
+    those of quantizing the weights in the call. Any other in-place change is noticed and quantized."""
+    from primus_turbo.pytorch.optim import FusedAdamW
+
+    primary, plain, fp8_primary_of = _primary_pair(recipe, grouped)
+    x = torch.randn(12, 128, dtype=torch.bfloat16, device=_device())
+    args = (x, torch.tensor([5, 7], device=_device())) if grouped else (x,)
+    grad_out = torch.randn(12, 256, dtype=torch.bfloat16, device=_device())
+
+    def run(layer):
+        layer.zero_grad(set_to_none=True)
+        out, _ = layer(*args)
+        out.backward(grad_out)
+        return [out.detach()] + [p.grad.clone() for p in layer.parameters()]
+
+    def same():
+        with torch.no_grad():
+            for a, b in zip(primary.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(a, b)
+        for a, b in zip(run(primary), run(plain), strict=True):
+            assert torch.equal(a, b)
+
+    same()
+    weights = list(primary.parameters())
+    copies, _ = fp8_primary_of(weights[0])
+    opts = FusedAdamW(primary.parameters(), lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    run(primary), run(plain)
+    for opt in opts:
+        opt.step()
+    assert copies.fresh(weights) and copies.owner is opts[0]
+    refreshes = []
+    refresh = copies.refresh
+    copies.refresh = lambda ws: (refreshes.append(1), refresh(ws))
+    for a, b in zip(primary.parameters(), plain.parameters(), strict=True):
+        with torch.no_grad():
+            b.copy_(a)  # the step's rounding differs from torch's by an ulp here and there
+    same()
+    assert not refreshes  # read as the optimizer wrote them
+    with torch.no_grad():
+        for a, b in zip(primary.parameters(), plain.parameters(), strict=True):
+            a.mul_(-2), b.mul_(-2)
+    assert not copies.fresh(weights)
+    same()
+    assert refreshes == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+def test_cuda_graph_reads_fp8_primary_copies_the_optimizer_rewrites(moe_fp8, grouped):
+    """Captured after FusedAdamW's first step, a graph reads the FP8 copies instead of quantizing the
+    weights; each later step rewrites them in place, so a replay sees the updated weights."""
+    from primus_turbo.pytorch.optim import FusedAdamW
+
+    primary, plain, _ = _primary_pair("blockwise", grouped)
+    x = torch.randn(12, 128, dtype=torch.bfloat16, device=_device())
+    args = (x, torch.tensor([5, 7], device=_device())) if grouped else (x,)
+    opt = FusedAdamW(primary.parameters(), lr=1e-2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, _ = primary(*args)
+        out.float().sum().backward()
+        opt.step()
+        primary(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured, _ = primary(*args)
+    opt.step()  # the same gradients again: new weights, new copies
+    graph.replay()
+    with torch.no_grad():
+        for a, b in zip(primary.parameters(), plain.parameters(), strict=True):
+            b.copy_(a)
+        expected, _ = plain(*args)
+    assert torch.equal(captured, expected)

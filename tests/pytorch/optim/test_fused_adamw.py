@@ -40,13 +40,12 @@ def test_matches_torch_adamw():
     fused, plain = _params(), _params()
     copies = Fp8PrimaryWeight([fused[0]], CONFIG, experts=False)
     opt, ref = FusedAdamW(fused, **HYPER), torch.optim.AdamW(plain, **HYPER)
-    assert copies.owner is opt
     for step in range(3):
         _grads(fused, step)
         _grads(plain, step)
         opt.step()
         ref.step()
-        assert copies.fresh([fused[0]])
+        assert copies.fresh([fused[0]]) and copies.owner is opt
         made = quantize_fp8_weight(fused[0].detach(), CONFIG)
         assert torch.equal(copies.q[0].view(torch.uint8), made.data.view(torch.uint8))
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
@@ -104,8 +103,9 @@ def test_forward_reads_copies():
 def test_unsupported_options():
     params = _params()
     Fp8PrimaryWeight([params[0]], CONFIG, experts=False)
+    params[0].grad = torch.zeros_like(params[0])
     with pytest.raises(ValueError, match="do not support amsgrad"):
-        FusedAdamW(params, amsgrad=True)
+        FusedAdamW(params, amsgrad=True).step()
     opt = FusedAdamW(params)
     params[0].grad = torch.zeros_like(params[0]).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
