@@ -2,7 +2,8 @@
 
 Each variant runs ``examples/megatron/train_moe.py`` (its own processes) on the same synthetic data;
 the local spec starts from the same weights as the Turbo run it is compared with. Reports median
-forward+backward tokens/s, the ratio to the local spec, and the final-loss gap after ``--steps``.
+forward+backward tokens/s, the ratio to the local spec, and the final-loss gap after ``--steps``; the
+optimizer step's time, tokens/s of the whole step with it, and the GPU memory held per parameter.
 
     python -m benchmark.e2e.bench_megatron_moe --nproc 1 --steps 50 -o megatron_moe.csv
 """
@@ -25,6 +26,7 @@ EXAMPLE = ROOT / "examples" / "megatron" / "train_moe.py"
 BLOCKWISE = ["--fp8", "e4m3", "--fp8-recipe", "blockwise"]
 TENSORWISE = ["--fp8", "e4m3", "--fp8-recipe", "tensorwise"]
 AUTO_FILTER = "--turbo-fp8-auto-filter"
+PRIMARY = "--fp8-param-gather"
 HP_WGRAD = ["--no-turbo-fp8-expert-wgrad"]  # the experts' weight gradients in bf16
 VARIANTS = {
     "turbo-bf16": ["--compare"],
@@ -38,6 +40,13 @@ VARIANTS = {
     "turbo-bf16-device-thread": ["--no-turbo-backward-on-caller-thread"],
     "turbo-fp8-blockwise-graph": [*BLOCKWISE, "--cuda-graph"],
     "turbo-fp8-tensorwise-graph": [*TENSORWISE, "--cuda-graph"],
+    # FP8 primary weights: FusedAdamW writes the weights' FP8 copies, no forward quantizes a weight
+    "turbo-fp8-blockwise-primary": [*BLOCKWISE, PRIMARY],
+    "turbo-fp8-tensorwise-primary": [*TENSORWISE, PRIMARY],
+    "turbo-fp8-blockwise-primary-graph": [*BLOCKWISE, PRIMARY, "--cuda-graph"],
+    "turbo-fp8-tensorwise-primary-graph": [*TENSORWISE, PRIMARY, "--cuda-graph"],
+    "turbo-fp8-blockwise-autofilter-primary-graph": [*BLOCKWISE, AUTO_FILTER, PRIMARY, "--cuda-graph"],
+    "turbo-fp8-tensorwise-autofilter-primary-graph": [*TENSORWISE, AUTO_FILTER, PRIMARY, "--cuda-graph"],
     # the FP8 cost model keeps each layer in bf16 where FP8 would be slower (--turbo-fp8-auto-filter)
     "turbo-fp8-blockwise-autofilter": [*BLOCKWISE, AUTO_FILTER],
     "turbo-fp8-tensorwise-autofilter": [*TENSORWISE, AUTO_FILTER],
@@ -60,7 +69,7 @@ VARIANTS = {
     "turbo-bf16-mcore-full-iteration": ["--cuda-graph-impl", "full_iteration"],
 }
 ONE_GPU_FLAGS = ("--cuda-graph", "--cuda-graph-impl")
-_FP8_PART = re.compile(r"fp8-(?:blockwise|tensorwise)(?:-hpwgrad)?(?:-autofilter)?")
+_FP8_PART = re.compile(r"fp8-(?:blockwise|tensorwise)(?:-hpwgrad)?(?:-autofilter)?(?:-primary)?")
 
 
 def bf16_peer(variant: str) -> str | None:
@@ -71,8 +80,9 @@ def bf16_peer(variant: str) -> str | None:
 
 
 def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path) -> dict[str, dict]:
-    """Run one variant; -> {run name: {"tokens_per_s": median, "host_ms": median host time to enqueue a
-    step, "final_loss": loss}}."""
+    """Run one variant; -> {run name: {"tokens_per_s": median (forward+backward), "host_ms": median host
+    time to enqueue a step, "opt_ms": median optimizer step, "step_tokens_per_s": median with the
+    optimizer step, "bytes_per_param": GPU memory held after a step, "final_loss": loss}}."""
     steps_csv = folder / f"{variant}.csv"
     command = [sys.executable, str(EXAMPLE), "--size", args.size, "--nproc", str(args.nproc),
                "--tp", str(args.tp), "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -94,10 +104,23 @@ def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path)
             rows.setdefault(row["run"], []).append(row)
     result = {}
     for run, logs in rows.items():
-        rate = statistics.median(float(r["tokens_per_s"]) for r in logs[args.warmup :])
-        host = statistics.median(float(r["host_ms"]) for r in logs[args.warmup :])
+        timed = logs[args.warmup :]
+        rate = statistics.median(float(r["tokens_per_s"]) for r in timed)
+        host = statistics.median(float(r["host_ms"]) for r in timed)
+        opt = statistics.median(float(r["opt_ms"]) for r in timed)
+        tokens = [float(r["tokens_per_s"]) * float(r["fwd_bwd_ms"]) for r in timed]  # per step
+        step_rate = statistics.median(
+            n / (float(r["fwd_bwd_ms"]) + float(r["opt_ms"])) for n, r in zip(tokens, timed, strict=True)
+        )
         tail = [float(r["loss"]) for r in logs[-10:]]  # one batch's loss is noisy: the last 10 steps' mean
-        result[run] = {"tokens_per_s": rate, "host_ms": host, "final_loss": sum(tail) / len(tail)}
+        result[run] = {
+            "tokens_per_s": rate,
+            "host_ms": host,
+            "opt_ms": opt,
+            "step_tokens_per_s": step_rate,
+            "bytes_per_param": float(logs[-1]["bytes_per_param"]),
+            "final_loss": sum(tail) / len(tail),
+        }
     return result
 
 
@@ -118,8 +141,21 @@ def _row(values: dict, results: dict[str, dict], name: str) -> list[str]:
         f"{values['final_loss']:.4f}",
     )
     vs_local, gap_local = _ratios(values, results.get("local"))
-    vs_bf16, gap_bf16 = _ratios(values, results.get(peer) if peer else None)
-    return [rate, host, vs_local, loss, gap_local, vs_bf16, gap_bf16]
+    base = results.get(peer) if peer else None
+    vs_bf16, gap_bf16 = _ratios(values, base)
+    step_vs_bf16 = f"{values['step_tokens_per_s'] / base['step_tokens_per_s']:.3f}" if base else ""
+    extra = [f"{values['opt_ms']:.1f}", f"{values['step_tokens_per_s']:.0f}", step_vs_bf16]
+    return [
+        rate,
+        host,
+        vs_local,
+        loss,
+        gap_local,
+        vs_bf16,
+        gap_bf16,
+        *extra,
+        f"{values['bytes_per_param']:.2f}",
+    ]
 
 
 def main() -> None:
@@ -145,7 +181,14 @@ def main() -> None:
             results["local" if run == "local" else variant] = values
     table = [[name, args.nproc, args.tp, *_row(values, results, name)] for name, values in results.items()]
     header = ["run", "gpus", "tp", "tokens_per_s", "host_ms", "vs_local", "final_loss", "loss_gap_vs_local"]
-    header += ["vs_bf16", "loss_gap_vs_bf16"]
+    header += [
+        "vs_bf16",
+        "loss_gap_vs_bf16",
+        "opt_ms",
+        "step_tokens_per_s",
+        "step_vs_bf16",
+        "bytes_per_param",
+    ]
     print(tabulate(table, headers=header))
     with open(args.output, "w", newline="") as f:
         writer = csv.writer(f)

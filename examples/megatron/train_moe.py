@@ -68,13 +68,16 @@ CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 
 @dataclass
 class StepLog:
-    """One training step: loss, the forward+backward time (the optimizer step is not timed) and the host
-    time to enqueue it (equal to the step time when the host, not the GPU, sets the pace)."""
+    """One training step: loss, the forward+backward time, the host time to enqueue it (equal to the step
+    time when the host, not the GPU, sets the pace), the optimizer step's time, and the GPU memory held
+    after the step per model parameter (weights, gradients, optimizer state, FP8 weight copies)."""
 
     step: int
     loss: float
     fwd_bwd_s: float
     host_s: float
+    opt_s: float = 0.0
+    bytes_per_param: float = 0.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None)
     parser.add_argument(
         "--fp8-recipe", choices=["tensorwise", "blockwise", "mxfp8", "delayed"], default="delayed"
+    )
+    parser.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="FP8 primary weights (Megatron's fp8_param): the Turbo model's FP8 linears keep their weights' "
+        "FP8 copies, which the optimizer (Primus-Turbo's FusedAdamW) writes in its step, so no forward "
+        "quantizes a weight",
     )
     parser.add_argument(
         "--compile",
@@ -192,6 +202,7 @@ def transformer_kwargs(args: argparse.Namespace) -> dict:
         moe_router_dtype="fp32",
         fp8=args.fp8,
         fp8_recipe=args.fp8_recipe,
+        fp8_param=args.fp8_param_gather,
     )
 
 
@@ -238,7 +249,7 @@ def build_model(args: argparse.Namespace, turbo: bool, device: torch.device) -> 
         )  # before the config: it answers Megatron's TE gates for FP8
         kwargs["moe_token_dispatcher_type"] = patch_args.moe_token_dispatcher_type
     else:
-        kwargs.update(fp8=None, moe_grouped_gemm=False)
+        kwargs.update(fp8=None, fp8_param=False, moe_grouped_gemm=False)
     config = TransformerConfig(**kwargs)
     if turbo:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
@@ -396,6 +407,16 @@ def forward_backward_step(
     return forward_backward
 
 
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """Adam, no weight decay: PyTorch's, or with ``--fp8-param-gather`` Primus-Turbo's ``FusedAdamW``, whose
+    step also writes the FP8 copies of the weights that have them (the others take PyTorch's update)."""
+    if model.config.fp8_param:
+        from primus_turbo.pytorch.optim import FusedAdamW
+
+        return FusedAdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    return torch.optim.Adam(model.parameters(), lr=args.lr)
+
+
 def train(
     model: torch.nn.Module, args: argparse.Namespace, rank: int, device: torch.device, impl: str = "none"
 ) -> list[StepLog]:
@@ -406,7 +427,8 @@ def train(
     from megatron.core import parallel_state as ps
 
     set_aux_loss_scale(args, device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(model, args)
+    params = sum(p.numel() for p in model.parameters())
     if impl == "local":
         for param in model.parameters():
             param.main_grad = torch.zeros_like(param, dtype=torch.float32)
@@ -437,14 +459,19 @@ def train(
         if impl == "local":
             _add_main_grads(model)
         _reduce_grads(model)
+        _sync(device)
+        opt_start = time.perf_counter()
         optimizer.step()
+        _sync(device)
+        opt_s = time.perf_counter() - opt_start
         # a whole-step graph owns the gradients from its capture on: each replay rewrites them
         graph_owns_grads = graphed is not None or (impl == "full_iteration" and step >= args.warmup)
         if not graph_owns_grads:
             optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        logs.append(StepLog(step, mean_loss.item() / dist.get_world_size(), elapsed, host))
+        held = torch.cuda.memory_allocated(device) / params if device.type == "cuda" else 0.0
+        logs.append(StepLog(step, mean_loss.item() / dist.get_world_size(), elapsed, host, opt_s, held))
     return logs
 
 
@@ -555,6 +582,12 @@ def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None
     print("median tokens/s (fwd+bwd): " + ", ".join(f"{n} {r:,.0f}" for n, r in rates.items()))
     hosts = {n: statistics.median(log.host_s for log in _timed(results[n], args)) for n in names}
     print("median host ms to enqueue a step: " + ", ".join(f"{n} {h * 1e3:.1f}" for n, h in hosts.items()))
+    opts = {n: statistics.median(log.opt_s for log in _timed(results[n], args)) for n in names}
+    print("median optimizer step ms: " + ", ".join(f"{n} {t * 1e3:.1f}" for n, t in opts.items()))
+    held = {n: results[n][-1].bytes_per_param for n in names}
+    if any(held.values()):
+        listing = ", ".join(f"{n} {b:.2f}" for n, b in held.items())
+        print(f"GPU memory held after a step, bytes per parameter: {listing}")
     if len(names) == 2:
         a, b = names
         loss_a, loss_b = final_loss(results[a]), final_loss(results[b])
@@ -564,12 +597,15 @@ def _report(results: dict[str, list[StepLog]], args: argparse.Namespace) -> None
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["run", "step", "loss", "fwd_bwd_ms", "host_ms", "tokens_per_s"])
+            writer.writerow(
+                ["run", "step", "loss", "fwd_bwd_ms", "host_ms", "tokens_per_s", "opt_ms", "bytes_per_param"]
+            )
             for n in names:
                 for log in results[n]:
                     rate = tokens / log.fwd_bwd_s
                     times = f"{log.fwd_bwd_s * 1e3:.3f}", f"{log.host_s * 1e3:.3f}"
-                    writer.writerow([n, log.step, f"{log.loss:.6f}", *times, f"{rate:.1f}"])
+                    extra = f"{log.opt_s * 1e3:.3f}", f"{log.bytes_per_param:.3f}"
+                    writer.writerow([n, log.step, f"{log.loss:.6f}", *times, f"{rate:.1f}", *extra])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -370,6 +370,16 @@ def test_example_megatron_cuda_graphs_match_eager(graph):
     assert _example_losses(*graph) == pytest.approx(_example_losses(), rel=1e-3)
 
 
+def test_example_fp8_primary_weights_train_like_quantizing_each_step():
+    """``--fp8-param-gather``: FusedAdamW writes the FP8 weights and the forward reads them; the losses
+    follow the run that quantizes the weights in every forward (the moments are fp32 there, so FP8
+    tolerance, not bit equality). Portable backends on the CPU, as below."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    fp8 = ["--fp8", "e4m3", "--fp8-recipe", "tensorwise", "--lr", "3e-3"]
+    primary = _example_losses(*fp8, "--fp8-param-gather", steps=4, env=env)
+    assert primary == pytest.approx(_example_losses(*fp8, steps=4, env=env), rel=2e-2)
+
+
 def test_example_compiled_model_trains_like_eager():
     """``--compile`` (the whole GPT model, its loss included, in one torch.compile graph) follows the
     eager run's losses: the compiled kernels round differently, so bf16 tolerance. On the CPU it runs the
