@@ -56,6 +56,8 @@
 #                       default 1: tensor parallelism with sequence parallelism, expert parallelism NPROC / TP)
 #   WEIGHT_QUANT=1      FP8 weight quantization, both layouts in one read against quantize-then-transpose
 #                       (bench_fp8_weight_quant.py: Mixtral, DeepSeek-V3, Qwen3 experts, Llama-3-70B)
+#   ADAMW_FP8=1         the FP8 primary weights' fused AdamW step against torch's fused AdamW + bf16 copy + FP8
+#                       weight quantization (bench_adamw_fp8.py, the weights of bench_fp8_weight_quant.py)
 #   STEP_PROFILE=1      where an eager Turbo step of the example spends its time (scripts/profile_megatron_step.py
 #                       --syncs --cprofile at E2E_SIZE: synchronising calls, Python functions, kernels, host ops;
 #                       STEP_PROFILE_ARGS replaces those flags, e.g. "--fp8 e4m3 --fp8-recipe blockwise";
@@ -244,6 +246,10 @@ fi
 if [ "${WEIGHT_QUANT:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_fp8_weight_quant \
     -o "$OUT/fp8_weight_quant.csv" 2>&1 | tee "$OUT/bench_fp8_weight_quant.log" || status=1
+fi
+if [ "${ADAMW_FP8:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-420}" .venv/bin/python -m benchmark.ops.training.bench_adamw_fp8 \
+    -o "$OUT/adamw_fp8.csv" 2>&1 | tee "$OUT/bench_adamw_fp8.log" || status=1
 fi
 if [ "${STEP_PROFILE:-0}" = 1 ]; then
   tag="${STEP_PROFILE_TAG:-${E2E_SIZE:-small}}"
