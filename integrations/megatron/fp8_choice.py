@@ -56,6 +56,7 @@ class Fp8Choice:
                 fp8_wgrad=fp8_wgrad,
                 input_fp8=key[1],
                 count_host=mode == "eager",
+                weight_fp8=bool(getattr(module.config, "fp8_param", False)),
             )
             level = logging.INFO if not self._made else logging.DEBUG
             self._made[key] = decision

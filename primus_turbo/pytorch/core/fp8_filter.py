@@ -91,7 +91,9 @@ class Fp8Decision:
         return f"{choice}: modelled bf16 {self.bf16_us:.0f} us, fp8 {self.fp8_us:.0f} us; {self.reason}"
 
 
-def _fp8_us(model, m, n, k, groups, grouped, config, fp8_wgrad, input_fp8, micro_batches) -> float:
+def _fp8_us(
+    model, m, n, k, groups, grouped, config, fp8_wgrad, input_fp8, micro_batches, weight_fp8
+) -> float:
     gran, tokens = config.granularity, m * groups
     block_wgrad = gran is _G.BLOCKWISE
     gemms = model.gemm_us(m, n, k, groups, model.fp8_tflops, 1)  # forward
@@ -106,8 +108,9 @@ def _fp8_us(model, m, n, k, groups, grouped, config, fp8_wgrad, input_fp8, micro
     passes = model.pass_us(tokens * n, *grad)
     if not input_fp8:  # a fused producer (rmsnorm_fp8, swiglu_fp8) writes the activation's copies itself
         passes += model.pass_us(tokens * k, *act)
-    bytes_w, kernels_w = _WEIGHT[gran]
-    passes += model.pass_us(groups * n * k, bytes_w, kernels_w) / max(micro_batches, 1)
+    if not weight_fp8:  # FP8 primary weights: the optimizer step writes the weight's copies
+        bytes_w, kernels_w = _WEIGHT[gran]
+        passes += model.pass_us(groups * n * k, bytes_w, kernels_w) / max(micro_batches, 1)
     return gemms + passes
 
 
@@ -122,6 +125,7 @@ def fp8_linear_decision(
     input_fp8: bool = False,
     count_host: bool = True,
     micro_batches: int = 1,
+    weight_fp8: bool = False,
     model: Fp8CostModel | None = None,
 ) -> Fp8Decision:
     """FP8 or bf16 for a linear (``groups`` None) or a grouped linear of ``groups`` experts that sees
@@ -132,8 +136,9 @@ def fp8_linear_decision(
     (``grouped_gemm_fp8`` can run it in bf16); True or False fixes it (a linear's is FP8).
     ``input_fp8``: the input arrives quantized from a fused producer. ``count_host``: eager mode, where
     the layer takes at least its host path's time (False under CUDA graphs). ``micro_batches``: forwards
-    that share one weight quantization. Block scaling needs both feature counts to be multiples of the
-    block size: otherwise the layer stays bf16."""
+    that share one weight quantization. ``weight_fp8``: FP8 primary weights, whose copies the optimizer
+    step writes (no weight quantization in the layer). Block scaling needs both feature counts to be
+    multiples of the block size: otherwise the layer stays bf16."""
     if not isinstance(config, Float8QuantConfig):
         raise TypeError(f"config must be a Float8QuantConfig, got {config!r}")
     for name, value in (("tokens", tokens), ("in_features", in_features), ("out_features", out_features)):
@@ -155,7 +160,8 @@ def fp8_linear_decision(
         return Fp8Decision(False, False, bf16, math.inf, reason)
     choices = (True, False) if fp8_wgrad is None else (fp8_wgrad,)
     costs = {
-        w: _fp8_us(model, m, n, k, groups, grouped, config, w, input_fp8, micro_batches) for w in choices
+        w: _fp8_us(model, m, n, k, groups, grouped, config, w, input_fp8, micro_batches, weight_fp8)
+        for w in choices
     }
     wgrad = min(costs, key=costs.get)
     fp8 = costs[wgrad]

@@ -63,8 +63,9 @@ def test_fused_producer_and_micro_batches_lower_the_fp8_cost():
     base = fp8_linear_decision(4096, 4096, 4096, _BLOCKWISE, count_host=False)
     fused = fp8_linear_decision(4096, 4096, 4096, _BLOCKWISE, input_fp8=True, count_host=False)
     shared = fp8_linear_decision(4096, 4096, 4096, _BLOCKWISE, micro_batches=8, count_host=False)
-    assert fused.fp8_us < base.fp8_us and shared.fp8_us < base.fp8_us
-    assert fused.bf16_us == base.bf16_us == shared.bf16_us
+    primary = fp8_linear_decision(4096, 4096, 4096, _BLOCKWISE, weight_fp8=True, count_host=False)
+    assert fused.fp8_us < base.fp8_us and primary.fp8_us < shared.fp8_us < base.fp8_us
+    assert fused.bf16_us == base.bf16_us == shared.bf16_us == primary.bf16_us
 
 
 def test_empty_layers_and_a_custom_model():
