@@ -79,9 +79,9 @@ class FP8WeightCache:
     leave the quantization out of the graph for good.
 
     With ``config.fp8_param`` (Megatron's ``--fp8-param-gather``) the copies are the weights' FP8 primary
-    copies instead (``ops.fp8_primary``): kept with the weights, written by ``FusedAdamW``'s step (or
-    quantized again on the first forward after any other change), and read by a CUDA graph when that
-    optimizer owns them.
+    copies instead (``ops.fp8_primary``): kept with the weights, written by ``FusedAdamW``'s step (with any
+    other optimizer quantized again on each step's first micro-batch, and after any change seen), and
+    read by a CUDA graph when that optimizer owns them.
     """
 
     def __init__(self) -> None:
@@ -99,7 +99,9 @@ class FP8WeightCache:
         update or a new storage, or on the first micro-batch); the FP8 primary copies with ``fp8_param``
         (``experts``: ``weights`` are a layer's experts')."""
         if getattr(module.config, "fp8_param", False):
-            return fp8_primary_view(weights, module.quant_config, experts)
+            # a new step (first micro-batch): the weights may have changed unseen (see fp8_primary_view)
+            requantize = module.is_first_microbatch is not False
+            return fp8_primary_view(weights, module.quant_config, experts, requantize)
         if torch.compiler.is_compiling() or module.is_first_microbatch is None or _capturing_cuda_graph():
             return None
         if getattr(module.config, "disable_parameter_transpose_cache", False):

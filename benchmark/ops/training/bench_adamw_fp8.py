@@ -4,9 +4,10 @@ the bf16 weight, both FP8 layouts and their scales) against what a mixed-precisi
 quantization of both layouts the next forward would run (one read, ``quantize_fp8_weight`` /
 ``quantize_fp8_experts``).
 
-Expert stacks [G, N, K] take one fused call per expert weight (as ``FusedAdamW`` steps Megatron's
-per-expert parameters); gradients are fp32 (Megatron's ``main_grad``). Time per step from CUDA events with
-an L2 flush, next to a copy moving the bytes the fused step must move (32 bytes per parameter).
+Expert stacks [G, N, K] are G parameters (Megatron's per-expert weights) stepped by one kernel, as
+``FusedAdamW`` steps a layer's experts; gradients are fp32 (Megatron's ``main_grad``). Time per step from
+CUDA events with an L2 flush, next to a copy moving the bytes the fused step must move (32 bytes per
+parameter).
 
     python -m benchmark.ops.training.bench_adamw_fp8 -o adamw_fp8.csv
 """
@@ -48,13 +49,14 @@ def _sides(granularity: str, experts: int, n: int, k: int):
     grad = torch.randn(experts, n, k, device="cuda").mul_(1e-3)
     weights = list(master.to(torch.bfloat16).unbind())
     Fp8PrimaryWeight(weights, config, experts=experts > 1)
-    moments = [(torch.zeros(n, k, device="cuda"), torch.zeros(n, k, device="cuda")) for _ in weights]
-    masters, grads, step = list(master.unbind()), list(grad.unbind()), [0]
+    # as FusedAdamW lays out a layer's experts' state: slices of one allocation, so one kernel steps them
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    state = [list(t.unbind()) for t in (grad, exp_avg, exp_avg_sq, master)]
+    step = [0]
 
     def fused():
         step[0] += 1
-        for w, m, g, (ea, eas) in zip(weights, masters, grads, moments, strict=True):
-            adamw_fp8_step_(w, g, ea, eas, step=step[0], master=m, **HYPER)
+        adamw_fp8_step_(weights, *state[:3], step=step[0], masters=state[3], **HYPER)
 
     peer_master = torch.nn.Parameter(master.clone())
     peer_master.grad = grad.clone()

@@ -159,12 +159,16 @@ def fp8_primary_of(weight: torch.Tensor) -> tuple[Fp8PrimaryWeight, int] | None:
 
 
 def fp8_primary_view(
-    weights: Sequence[torch.Tensor], config: Float8QuantConfig, experts: bool
+    weights: Sequence[torch.Tensor], config: Float8QuantConfig, experts: bool, requantize: bool = False
 ) -> QuantizedTensor | QuantizedExperts | None:
     """The FP8 copies a forward reads for ``weights`` (a linear's one, or a layer's experts'), made on
     first use; None where the call must quantize the weights itself: inside a torch.compile graph, and
     while a CUDA graph is captured unless the copies are fresh and an optimizer rewrites them in place
-    each step (``owner``; else a replay would read copies frozen at capture time)."""
+    each step (``owner``; else a replay would read copies frozen at capture time).
+
+    ``requantize``: quantize again unless an optimizer owns the copies (a new step has begun, and the
+    weights may have been written without their version counter seeing it, as a distributed optimizer
+    writes its parameter buffer)."""
     if torch.compiler.is_compiling() or not Fp8PrimaryWeight.supports(weights[0].shape, config):
         return None
     capturing = weights[0].is_cuda and torch.cuda.is_current_stream_capturing()
@@ -177,32 +181,18 @@ def fp8_primary_view(
         copies = primary[0]
     if copies.config != config or (capturing and (copies.owner is None or not copies.fresh(weights))):
         return None
+    if requantize and copies.owner is None and not capturing:
+        copies.refresh(weights)
     return copies.view(weights)
 
 
-def adamw_fp8_step_(
-    weight: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    step: int,
-    master: torch.Tensor | None = None,
-) -> None:
-    """AdamW step ``step`` (1-based, ``torch.optim.AdamW``'s update) of ``weight``, which must have FP8
-    primary copies, writing its slot of them from the updated weight in the same kernel.
-
-    ``exp_avg``/``exp_avg_sq`` are fp32 of the weight's shape; with ``master`` (fp32) the update runs on
-    it and ``weight`` receives it rounded. Everything is updated in place."""
+def _check_step_args(weight, grad, exp_avg, exp_avg_sq, master) -> tuple[Fp8PrimaryWeight, int]:
     primary = fp8_primary_of(weight)
     if primary is None:
         raise ValueError("adamw_fp8_step_: weight has no FP8 primary copies (make an Fp8PrimaryWeight)")
-    copies, slot = primary
     check_tensor("weight", weight, dim=2)
+    if not weight.is_contiguous():
+        raise ValueError("adamw_fp8_step_: weight must be contiguous")
     check_tensor("grad", grad)
     if grad.shape != weight.shape:
         raise ValueError(f"grad must have weight's shape {tuple(weight.shape)}, got {tuple(grad.shape)}")
@@ -212,35 +202,99 @@ def adamw_fp8_step_(
             continue
         check_tensor(name, state)
         if state.shape != weight.shape or state.dtype != torch.float32 or not state.is_contiguous():
-            raise ValueError(
-                f"{name} must be a contiguous fp32 tensor of weight's shape {tuple(weight.shape)}"
-            )
+            raise ValueError(f"{name} must be contiguous fp32 of weight's shape {tuple(weight.shape)}")
         if state.device != weight.device:
             raise ValueError(f"{name} must be on {weight.device}, got {state.device}")
-    if not weight.is_contiguous():
-        raise ValueError("adamw_fp8_step_: weight must be contiguous")
+    return primary
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous ``b`` starts where ``a`` ends, in the same storage."""
+    return (
+        b.dtype == a.dtype
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    )
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[B, R, C] over B contiguous [R, C] tensors that lie back to back (no copy)."""
+    rows, cols = tensors[0].shape
+    return tensors[0].as_strided((len(tensors), rows, cols), (rows * cols, cols, 1))
+
+
+def adamw_fp8_step_(
+    weights: torch.Tensor | Sequence[torch.Tensor],
+    grads: torch.Tensor | Sequence[torch.Tensor],
+    exp_avgs: torch.Tensor | Sequence[torch.Tensor],
+    exp_avg_sqs: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+    masters: torch.Tensor | Sequence[torch.Tensor] | None = None,
+) -> None:
+    """AdamW step ``step`` (1-based, ``torch.optim.AdamW``'s update) of a weight with FP8 primary copies,
+    or of a list of them, writing each one's slot of its copies from the updated weight in the same kernel.
+
+    ``exp_avgs``/``exp_avg_sqs`` are fp32 of each weight's shape; with ``masters`` (fp32) the update runs
+    on them and the weights receive them rounded. Everything is updated in place. Consecutive slots of one
+    set of copies (a layer's experts) whose weights, gradients and state lie back to back in memory run as
+    one kernel."""
+    one = isinstance(weights, torch.Tensor)
+    weights, grads, exp_avgs, exp_avg_sqs = (
+        [t] if one else list(t) for t in (weights, grads, exp_avgs, exp_avg_sqs)
+    )
+    masters = [masters] if one else list(masters) if masters is not None else [None] * len(weights)
+    if not len(weights) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(masters):
+        raise ValueError("adamw_fp8_step_: weights, grads, exp_avgs, exp_avg_sqs (and masters) must pair up")
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
-    beta1, beta2 = betas
-    rows, cols = weight.shape
-    block = copies.block
+    grads = [g.contiguous() for g in grads]
+    states = zip(weights, grads, exp_avgs, exp_avg_sqs, masters, strict=True)
+    primaries = [_check_step_args(*args) for args in states]
+    start = 0
+    for end in range(1, len(weights) + 1):
+        if end < len(weights):
+            (copies, slot), (prev_copies, prev_slot) = primaries[end], primaries[end - 1]
+            lists = [weights, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters[end] is not None else [])
+            if (
+                copies is prev_copies
+                and slot == prev_slot + 1
+                and (masters[end] is None) == (masters[end - 1] is None)
+                and all(_follows(t[end - 1], t[end]) for t in lists)
+            ):
+                continue
+        run = slice(start, end)
+        _launch(primaries[start], weights[run], grads[run], exp_avgs[run], exp_avg_sqs[run], masters[run],
+                lr, betas, eps, weight_decay, step)  # fmt: skip
+        start = end
+
+
+def _launch(primary, weights, grads, exp_avgs, exp_avg_sqs, masters, lr, betas, eps, weight_decay, step):
+    """One kernel over ``weights``: consecutive slots of ``primary``'s copies from its slot on."""
+    copies, first = primary
+    slots = slice(first, first + len(weights))
     call_op(
         adamw_fp8_step_impl,
-        weight.view(1, rows, cols),
-        grad.contiguous().view(1, rows, cols),
-        exp_avg.view(1, rows, cols),
-        exp_avg_sq.view(1, rows, cols),
-        None if master is None else master.view(1, rows, cols),
-        copies.q[slot : slot + 1],
-        copies.q_t[slot : slot + 1],
-        copies.scale[slot : slot + 1],
-        None if copies.scale_t is None else copies.scale_t[slot : slot + 1],
+        _stack(weights),
+        _stack(grads),
+        _stack(exp_avgs),
+        _stack(exp_avg_sqs),
+        None if masters[0] is None else _stack(masters),
+        copies.q[slots],
+        copies.q_t[slots],
+        copies.scale[slots],
+        None if copies.scale_t is None else copies.scale_t[slots],
         float(lr),
-        float(beta1),
-        float(beta2),
+        float(betas[0]),
+        float(betas[1]),
         float(eps),
         float(weight_decay),
         int(step),
-        block,
+        copies.block,
     )
-    copies.stamp(slot, weight)
+    for offset, weight in enumerate(weights):
+        copies.stamp(first + offset, weight)

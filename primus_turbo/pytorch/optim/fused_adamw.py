@@ -44,21 +44,32 @@ class FusedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
         self.master_weights = master_weights
 
-    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
-        """AdamW's state of an FP8-primary weight, its moments fp32 (converted after a state-dict load)."""
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(
-                p, dtype=torch.float32, memory_format=torch.contiguous_format
-            )
-        for key in ("exp_avg", "exp_avg_sq"):
-            if state[key].dtype != torch.float32:
-                state[key] = state[key].float().contiguous()
-        if self.master_weights and p.dtype != torch.float32 and "master_param" not in state:
-            state["master_param"] = p.detach().float().contiguous()
-        return state
+    def _init_state(self, params: list[torch.Tensor]) -> None:
+        """AdamW's state for FP8-primary weights without one. A layer's experts (slots of one set of
+        copies, back to back in memory) get their moments (and masters) as slices of one allocation each,
+        so their step runs as one kernel."""
+        fresh = [p for p in params if not self.state[p]]
+        by_copies: dict[int, list[torch.Tensor]] = {}
+        for p in fresh:
+            by_copies.setdefault(id(fp8_primary_of(p)[0]), []).append(p)
+        for members in by_copies.values():
+            members.sort(key=lambda p: fp8_primary_of(p)[1])
+            stacked = (len(members), *members[0].shape)
+            device = members[0].device
+            buffers = {key: torch.zeros(stacked, device=device) for key in ("exp_avg", "exp_avg_sq")}
+            if self.master_weights and members[0].dtype != torch.float32:
+                buffers["master_param"] = torch.stack([p.detach().float() for p in members])
+            for i, p in enumerate(members):
+                state = self.state[p]
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state.update({key: buffer[i] for key, buffer in buffers.items()})
+        for p in params:  # after a state-dict load: fp32, and masters where asked for
+            state = self.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if state[key].dtype != torch.float32:
+                    state[key] = state[key].float().contiguous()
+            if self.master_weights and p.dtype != torch.float32 and "master_param" not in state:
+                state["master_param"] = p.detach().float().contiguous()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, keeping the fp32 moments and masters of FP8-primary
@@ -82,33 +93,40 @@ class FusedAdamW(torch.optim.AdamW):
                 loss = closure()
         hidden = []
         for group in self.param_groups:
-            for p in group["params"]:
-                primary = fp8_primary_of(p)
-                if p.grad is None or primary is None:
-                    continue
-                unsupported = [key for key in _UNSUPPORTED if group.get(key)]
-                if unsupported:
-                    raise ValueError(
-                        f"FusedAdamW: FP8 primary weights do not support {', '.join(unsupported)}"
-                    )
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdamW does not support sparse gradients")
-                primary[0].owner = self  # the copies are rewritten in place every step from now on
-                state = self._state_of(p)
+            params = [p for p in group["params"] if p.grad is not None and fp8_primary_of(p) is not None]
+            if not params:
+                continue
+            unsupported = [key for key in _UNSUPPORTED if group.get(key)]
+            if unsupported:
+                raise ValueError(f"FusedAdamW: FP8 primary weights do not support {', '.join(unsupported)}")
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("FusedAdamW does not support sparse gradients")
+            self._init_state(params)
+            # a layer's experts in slot order, so that the back-to-back ones run as one kernel
+            order = {id(fp8_primary_of(p)[0]): i for i, p in reversed(list(enumerate(params)))}
+            params.sort(key=lambda p: (order[id(fp8_primary_of(p)[0])], fp8_primary_of(p)[1]))
+            by_step: dict[int, list[torch.Tensor]] = {}
+            for p in params:
+                fp8_primary_of(p)[0].owner = self  # the copies are rewritten in place every step from now on
+                state = self.state[p]
                 state["step"] += 1
-                grad = -p.grad if group["maximize"] else p.grad
+                by_step.setdefault(int(state["step"].item()), []).append(p)
+            for step, stepped in by_step.items():
+                states = [self.state[p] for p in stepped]
+                masters = [s.get("master_param") for s in states]
                 adamw_fp8_step_(
-                    p,
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
+                    stepped,
+                    [-p.grad if group["maximize"] else p.grad for p in stepped],
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
                     lr=float(group["lr"]),
                     betas=group["betas"],
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                    step=int(state["step"].item()),
-                    master=state.get("master_param"),
+                    step=step,
+                    masters=masters,
                 )
+            for p in params:
                 hidden.append((p, p.grad))
                 p.grad = None
         try:

@@ -107,7 +107,7 @@ def test_master_weight():
     fm, fv = _state(SHAPE)
     for step in (1, 2):
         grad = _randn(SHAPE, torch.bfloat16, seed=step)
-        adamw_fp8_step_(weight, grad, m, v, step=step, master=master, **HYPER)
+        adamw_fp8_step_(weight, grad, m, v, step=step, masters=master, **HYPER)
         fp32_copies = Fp8PrimaryWeight([fp32], CONFIGS["tensorwise"], experts=False)
         adamw_fp8_step_(fp32, grad.float(), fm, fv, step=step, **HYPER)
         del fp32_copies
@@ -131,6 +131,37 @@ def test_experts_slots(name):
     for (q, s), (rq, rs) in ((view.forward, made.forward), (view.dgrad, made.dgrad)):
         assert torch.equal(_bits(q.contiguous()), _bits(rq.contiguous()))
         assert torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_back_to_back_experts_step_as_one_kernel(name, monkeypatch):
+    """Experts whose weights, gradients and moments are slices of one allocation each run as one launch,
+    with the results of stepping them one by one."""
+    from primus_turbo.pytorch.ops import fp8_primary
+
+    config = CONFIGS[name]
+    weights = _randn((3, *SHAPE), torch.bfloat16)
+    grads = _randn((3, *SHAPE), torch.bfloat16, seed=3)
+    joined = list(weights.clone().unbind())  # back to back
+    apart = [w.clone() for w in weights.unbind()]  # three allocations
+    sides, launch = {}, fp8_primary._launch
+    for name_, experts in (("joined", joined), ("apart", apart)):
+        copies = Fp8PrimaryWeight(experts, config, experts=True)
+        moments = (torch.zeros(3, *SHAPE, device=DEVICE), torch.zeros(3, *SHAPE, device=DEVICE))
+        if name_ == "apart":
+            moments = tuple([t.clone() for t in m.unbind()] for m in moments)
+        launches = []
+        monkeypatch.setattr(fp8_primary, "_launch", lambda *a, record=launches, go=launch: (
+            record.append(len(a[1])), go(*a)))  # fmt: skip
+        for step in (1, 2):
+            adamw_fp8_step_(experts, list(grads.unbind()), *(list(m) for m in moments), step=step, **HYPER)
+        sides[name_] = copies, launches
+    assert sides["joined"][1] == [3, 3] and sides["apart"][1] == [1, 1, 1] * 2
+    (a, _), (b, _) = sides["joined"], sides["apart"]
+    assert torch.equal(_bits(a.q), _bits(b.q)) and torch.equal(_bits(a.q_t), _bits(b.q_t))
+    assert torch.equal(a.scale, b.scale)
+    for x, y in zip(joined, apart, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_stale_copies_are_quantized_again():
@@ -207,7 +238,7 @@ def test_bad_input():
     Fp8PrimaryWeight([weight], config, experts=False)
     with pytest.raises(ValueError, match="grad must have weight's shape"):
         adamw_fp8_step_(weight, weight[:, :BLOCK], m, v, step=1, **HYPER)
-    with pytest.raises(ValueError, match="exp_avg must be a contiguous fp32"):
+    with pytest.raises(ValueError, match="exp_avg must be contiguous fp32"):
         adamw_fp8_step_(weight, weight, m.bfloat16(), v, step=1, **HYPER)
     with pytest.raises(ValueError, match="step counts from 1"):
         adamw_fp8_step_(weight, weight, m, v, step=0, **HYPER)

@@ -110,3 +110,24 @@ def test_unsupported_options():
     params[0].grad = torch.zeros_like(params[0]).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
+
+
+def test_experts_share_one_state_allocation():
+    """A layer's experts get their moments as slices of one allocation (so one kernel steps them) and land
+    where torch.optim.AdamW puts them."""
+    config = Float8QuantConfig()
+    stacked = torch.randn(3, *SHAPE, device=DEVICE)
+    experts = [torch.nn.Parameter(w) for w in stacked.clone().unbind()]
+    plain = [torch.nn.Parameter(w) for w in stacked.clone().unbind()]
+    copies = Fp8PrimaryWeight(experts, config, experts=True)
+    opt, ref = FusedAdamW(experts, **HYPER), torch.optim.AdamW(plain, **HYPER)
+    for step in range(2):
+        grads = torch.randn(3, *SHAPE, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        for p, q, g in zip(experts, plain, grads.unbind(), strict=True):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+    pointers = {opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in experts}
+    assert len(pointers) == 1 and copies.fresh(experts)
+    for p, q in zip(experts, plain, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
