@@ -73,8 +73,8 @@ def _adamw_fp8_tiles_kernel(
     b = tl.program_id(2).to(tl.int64)
     base = b * rows.to(tl.int64) * cols
     c = (pid_c * TILE + tl.arange(0, TILE)).to(tl.int64)
-    amax = tl.full((), 0.0, tl.float32)
-    bad = tl.full((), 0, tl.int32)
+    amax = 0.0  # the loop below unrolls: these become the tile's scalars
+    bad = 0
     for start in tl.static_range(0, TILE, CHUNK):
         r = (pid_r * TILE + start + tl.arange(0, CHUNK)).to(tl.int64)
         mask = (r < rows)[:, None] & (c < cols)[None, :]
