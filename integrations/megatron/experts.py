@@ -28,9 +28,15 @@ from primus_turbo.integrations.megatron.linear import (
     param_device,
 )
 from primus_turbo.pytorch.core.custom_op import apply_function
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
 from primus_turbo.pytorch.modules.grouped_linear import grouped_linear
-from primus_turbo.pytorch.ops import QuantizedExperts, quantize_fp8_experts, swiglu_with_probs
+from primus_turbo.pytorch.ops import (
+    QuantizedExperts,
+    QuantizedTensor,
+    quantize_fp8_experts,
+    swiglu_fp8,
+    swiglu_with_probs,
+)
 
 __all__ = [
     "TurboColumnParallelGroupedLinear",
@@ -246,12 +252,18 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
                     param.data = part
         return module
 
-    def forward(self, x: torch.Tensor, m_splits: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, None]:
-        """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``."""
-        group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(x.device, non_blocking=True)
+    def forward(
+        self, x: torch.Tensor | QuantizedTensor, m_splits: torch.Tensor | Sequence[int]
+    ) -> tuple[torch.Tensor, None]:
+        """``x`` [T, in] with expert ``g``'s rows contiguous and in order -> ``(out [T, out], None)``;
+        under tensorwise FP8 ``x`` may arrive quantized (``fp8_input``)."""
+        device = x.data.device if isinstance(x, QuantizedTensor) else x.device
+        group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(device, non_blocking=True)
         bias = self._stacked("bias") if self.use_bias else None
         weight = self._stacked("weight")
         config, fp8_wgrad = self._fp8_plan(x.shape[0])
+        if isinstance(x, QuantizedTensor) and config is None:
+            raise ValueError("an FP8 input needs the layer's FP8 plan (see fp8_input)")
         fp8_weight = self._fp8_weight(weight) if config is not None else None
         out = grouped_linear(x, weight, bias, group_lens, config, fp8_weight, fp8_wgrad)
         FP8WeightCache.microbatch_done(self)
@@ -271,6 +283,15 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
             fp8_wgrad=None if self.fp8_wgrad else False,
         )
         return (self.quant_config, fp8_wgrad) if use_fp8 else (None, self.fp8_wgrad)
+
+    def fp8_input(self, tokens: int) -> Float8QuantConfig | None:
+        """The config under which a producer may hand this layer its input already in FP8 (``swiglu_fp8``),
+        or None: tensorwise FP8 with an FP8 weight gradient (which reads the producer's transposed copy);
+        the other scalings quantize the input along each expert's tokens for the weight gradient."""
+        config, fp8_wgrad = self._fp8_plan(tokens)
+        if config is None or config.granularity is not ScalingGranularity.TENSORWISE or not fp8_wgrad:
+            return None
+        return config
 
     def _fp8_weight(self, weight: torch.Tensor) -> QuantizedExperts | None:
         """The experts' FP8 copies, made once per weight update across micro-batches (``is_first_microbatch``)
@@ -392,9 +413,12 @@ class TurboGroupedMLP(MegatronModule):
             **common,
         )
 
-    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | QuantizedTensor:
+        """The gated activation times the probabilities: fused, and written straight in FP8 where fc2 reads
+        its input that way (``fp8_input``)."""
         if self.fused_act_with_probs:
-            return swiglu_with_probs(h, probs)
+            config = self.linear_fc2.fp8_input(h.shape[0]) if hasattr(self.linear_fc2, "fp8_input") else None
+            return swiglu_fp8(h, config, probs) if config is not None else swiglu_with_probs(h, probs)
         act = self.config.activation_func
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(h, 2, dim=-1)

@@ -26,7 +26,8 @@ def grouped_linear(
     """``x[rows of g] @ weight[g].T + bias[g]`` for ``weight`` [G, out, in] and ``bias`` [G, out] or None,
     over tokens sorted by group (int64 ``group_lens`` on x's device); FP8 GEMMs with ``config``, reading
     ``weight_fp8`` (``quantize_fp8_experts(weight, config, trans_b=True)``, made beforehand) when given,
-    the weight gradient in FP8 too unless ``fp8_wgrad=False`` (see ``grouped_gemm_fp8``)."""
+    the weight gradient in FP8 too unless ``fp8_wgrad=False`` (see ``grouped_gemm_fp8``). Under tensorwise
+    FP8 ``x`` may arrive quantized (a ``QuantizedTensor`` from ``swiglu_fp8``)."""
     if config is None:
         out = grouped_gemm(x, weight, group_lens, trans_b=True)
     else:
@@ -36,7 +37,7 @@ def grouped_linear(
     if bias is None:
         return out
     group_of_row = torch.repeat_interleave(
-        torch.arange(weight.shape[0], device=x.device), group_lens, output_size=x.shape[0]
+        torch.arange(weight.shape[0], device=weight.device), group_lens, output_size=x.shape[0]
     )
     return out + bias[group_of_row]
 

@@ -46,7 +46,12 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
     transpose_last_two_impl,
 )
 from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args, grouped_wgrad
-from primus_turbo.pytorch.ops.quantization import quantize_fp8, quantize_fp8_with_trans
+from primus_turbo.pytorch.ops.quantization import (
+    QuantizedTensor,
+    grad_anchor,
+    quantize_fp8,
+    quantize_fp8_with_trans,
+)
 
 __all__ = ["QuantizedExperts", "grouped_gemm_fp8", "quantize_fp8_experts"]
 
@@ -140,11 +145,13 @@ def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype, bl
     """Token-major FP8 copies of ``grad_out`` and ``a`` with their scales, for the wgrad GEMM
     (``grad_t``: the tensorwise gradient already quantized and stored [N, T]; ``block_ends``: the block
     layout's running block count under BLOCKWISE)."""
-    a, _, group_offs, qa, sa, _, _ = ctx.saved_tensors
+    a, _, group_offs, qa, sa, qa_t, _, _ = ctx.saved_tensors
     config, block = ctx.config, _block(ctx.config)
     if config.granularity is _G.TENSORWISE:
         # the forward's scales serve the reduction over tokens too: transposed copies of the same values
-        return grad_t.t(), grad_scale, call_op(transpose_last_two_impl, qa).t(), sa
+        # (a fused producer of ``a`` wrote that copy already)
+        qa_t = call_op(transpose_last_two_impl, qa) if qa_t is None else qa_t
+        return grad_t.t(), grad_scale, qa_t.t(), sa
     if config.granularity is _G.BLOCKWISE:
         quantize = quantize_fp8_group_blocks_impl
         qg_t, sg_t = call_op(quantize, grad_out, group_offs, grad_dtype, block, block_ends)
@@ -157,9 +164,14 @@ def _wgrad_operands(ctx, grad_out, grad_t, grad_scale, grad_dtype, fwd_dtype, bl
 
 class _GroupedGemmFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern, b_quantized, fp8_wgrad):
+    def forward(
+        ctx, a, b, group_offs, trans_b, out_dtype, config, accum_pattern, b_quantized, fp8_wgrad, a_quantized
+    ):
         fwd_dtype = fp8_dtype_for(config.format, is_forward=True)
-        qa, sa = _quantize_tokens(a, fwd_dtype, config)
+        if a_quantized is None:
+            qa, sa, qa_t = *_quantize_tokens(a, fwd_dtype, config), None
+        else:
+            qa, sa, qa_t = a_quantized.data, a_quantized.scale_inv, a_quantized.data_t
         dgrad = ctx.needs_input_grad[0]
         if b_quantized is None:
             (qb, sb), dgrad_b = _quantize_experts(b, fwd_dtype, config, trans_b, dgrad)
@@ -170,14 +182,14 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
         # tokens only for a tensorwise FP8 wgrad (the other recipes quantize a along the tokens instead)
         qb_d, sb_d = dgrad_b if dgrad else (None, None)
         tensorwise_wgrad = fp8_wgrad and config.granularity is _G.TENSORWISE and ctx.needs_input_grad[1]
-        qa, sa = (qa, sa) if tensorwise_wgrad else (None, None)
-        ctx.save_for_backward(a, b, group_offs, qa, sa, qb_d, sb_d)
+        qa, sa, qa_t = (qa, sa, qa_t) if tensorwise_wgrad else (None, None, None)
+        ctx.save_for_backward(a, b, group_offs, qa, sa, qa_t, qb_d, sb_d)
         ctx.trans_b, ctx.config, ctx.accum_pattern, ctx.fp8_wgrad = trans_b, config, accum_pattern, fp8_wgrad
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        a, b, group_offs, _, _, qb, sb = ctx.saved_tensors
+        a, b, group_offs, _, _, _, qb, sb = ctx.saved_tensors
         config, trans_b = ctx.config, ctx.trans_b
         gran, block = config.granularity, _block(config)
         grad_dtype = fp8_dtype_for(config.format, is_forward=False)
@@ -206,7 +218,7 @@ class _GroupedGemmFp8Function(torch.autograd.Function):
                 grad_b = finish_fused_wgrad(b)
             else:
                 grad_b = call_op(grouped_gemm_fp8_variable_k_impl, *operands, b.dtype, block, base)
-        return grad_a, grad_b, None, None, None, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None, None, None, None
 
 
 def _check_config(config: Float8QuantConfig | None) -> Float8QuantConfig:
@@ -239,8 +251,30 @@ def _check_b_quantized(b_quantized: QuantizedExperts, b: torch.Tensor, trans_b: 
         )
 
 
+def _quantized_tokens(a: QuantizedTensor, config: Float8QuantConfig, fp8_wgrad: bool) -> torch.Tensor:
+    """The differentiable stand-in of a pre-quantized ``a`` (its ``hp`` or fused producer's anchor; else a
+    constant of its shape), after checking that the GEMM can read it as it would quantize ``a`` itself."""
+    check_tensor("a.data", a.data, dim=2)
+    if a.granularity is not _G.TENSORWISE or config.granularity is not _G.TENSORWISE:
+        raise ValueError(
+            f"a QuantizedTensor a is read under TENSORWISE scaling only (a is {a.granularity.name}, "
+            f"config {config.granularity.name}): the other scalings quantize a along each group's tokens "
+            "for the weight gradient"
+        )
+    expected = fp8_dtype_for(config.format, is_forward=True)
+    if a.data.dtype != expected:
+        raise TypeError(f"a.data must be {expected} for config {config.format.name}, got {a.data.dtype}")
+    if a.data_t is not None and a.data_t.shape != a.data.shape[::-1]:
+        raise ValueError(f"a.data_t has shape {tuple(a.data_t.shape)}, a.data {tuple(a.data.shape)}")
+    if a.hp is not None:
+        return a.hp
+    if not fp8_wgrad:
+        raise ValueError("fp8_wgrad=False needs the high-precision a: pass a QuantizedTensor with hp")
+    return a.grad_anchor if a.grad_anchor is not None else grad_anchor(a.data, a.orig_dtype)
+
+
 def grouped_gemm_fp8(
-    a: torch.Tensor,
+    a: torch.Tensor | QuantizedTensor,
     b: torch.Tensor,
     group_lens: torch.Tensor,
     group_offs: torch.Tensor | None = None,
@@ -257,8 +291,15 @@ def grouped_gemm_fp8(
     of ``b`` with the same ``trans_b`` and ``config``) is read instead of quantizing ``b`` again.
     ``fp8_wgrad=False`` computes the weight gradient in a's dtype from the unquantized ``a`` and output
     gradient (the forward and dgrad stay FP8): no wgrad quantization, and the faster choice where
-    each expert sees few tokens (the block-scaled wgrad then runs slower than the bf16 one)."""
+    each expert sees few tokens (the block-scaled wgrad then runs slower than the bf16 one).
+
+    Under TENSORWISE scaling ``a`` may be a ``QuantizedTensor`` (a fused producer's output, such as
+    ``swiglu_fp8``'s): its FP8 rows are read as they are (its ``data_t`` copy by the weight gradient) and
+    the gradient goes to its ``hp`` or producer."""
     config = _check_config(config)
+    a_quantized = None
+    if isinstance(a, QuantizedTensor):
+        a_quantized, a = a, _quantized_tokens(a, config, fp8_wgrad)
     check_grouped_args(a, b, group_lens, trans_b)
     _check_block_multiples(a.shape[1], b.shape[1] if trans_b else b.shape[2], config)
     if b_quantized is not None:
@@ -269,7 +310,8 @@ def grouped_gemm_fp8(
     out_dtype = a.dtype if out_dtype is None else out_dtype
     check_dtype("out_dtype", out_dtype, _DTYPES)
     group_offs = compute_group_offs(group_lens) if group_offs is None else group_offs
-    a = a if a.stride(-1) == 1 else a.contiguous()
+    a = a if a.stride(-1) == 1 or a_quantized is not None else a.contiguous()
     return _GroupedGemmFp8Function.apply(
-        a, b, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern, b_quantized, fp8_wgrad
-    )
+        a, b, group_offs, trans_b, out_dtype, config, fuse_bgrad_accum_pattern, b_quantized, fp8_wgrad,
+        a_quantized,
+    )  # fmt: skip

@@ -322,6 +322,42 @@ def test_grouped_mlp_applies_probs(megatron):
     torch.testing.assert_close(double.float(), 2 * out.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fused_act_writes_fc2_input_in_fp8(moe_fp8, recipe, monkeypatch):
+    """Under tensorwise FP8 the fused SwiGLU-with-probs writes fc2's input straight in FP8 (no bf16
+    activation, no quantization pass in fc2): output and gradients are bit for bit those of the bf16
+    activation quantized in fc2. Block scaling keeps the bf16 activation (its wgrad quantizes per expert)."""
+    from primus_turbo.integrations.megatron.experts import TurboGroupedMLPWithFusedAct
+    from primus_turbo.pytorch.ops import QuantizedTensor
+
+    config = tiny_moe_config(
+        moe_grouped_gemm=True, fp8="e4m3", fp8_recipe=recipe, hidden_size=128, moe_ffn_hidden_size=128
+    )
+    torch.manual_seed(0)
+    experts = TurboGroupedMLPWithFusedAct(2, config).to(_device())
+    x = torch.randn(12, 128, dtype=torch.bfloat16, device=_device())
+    probs = torch.rand(12, device=_device())
+    grad = torch.randn(12, 128, dtype=torch.bfloat16, device=_device())
+    inputs = []
+    forward = experts.linear_fc2.forward
+    monkeypatch.setattr(experts.linear_fc2, "forward", lambda a, m: (inputs.append(a), forward(a, m))[1])
+
+    def run():
+        experts.zero_grad(set_to_none=True)
+        x_, p_ = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, _ = experts(x_, torch.tensor([5, 7]), p_)
+        out.backward(grad)
+        return [out, x_.grad, p_.grad] + [p.grad for p in experts.parameters()]
+
+    fused = run()
+    assert isinstance(inputs[-1], QuantizedTensor) == (recipe == "tensorwise")
+    monkeypatch.setattr(experts.linear_fc2, "fp8_input", lambda tokens: None)
+    plain = run()
+    assert not isinstance(inputs[-1], QuantizedTensor)
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def _grouped_fc1(bias: bool = False, **overrides) -> TurboColumnParallelGroupedLinear:
     config = tiny_moe_config(moe_grouped_gemm=True, add_bias_linear=bias, **overrides)
     return TurboColumnParallelGroupedLinear(

@@ -210,6 +210,51 @@ def test_prequantized_experts_give_the_same_results(granularity):
         assert torch.equal(plain, cached)
 
 
+@pytest.mark.parametrize("kind", ["skewed", "empty"])
+@pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID], ids=lambda f: f.name.lower())
+def test_fp8_tokens_from_the_fused_activation_give_the_same_results(kind, fmt):
+    """Tensorwise: fc2 reading ``swiglu_fp8``'s FP8 rows (and its transposed copy in the weight gradient)
+    computes what quantizing ``swiglu_with_probs``'s bf16 output in the GEMM computes, bit for bit, the
+    gradients reaching fc1's output, the probabilities and the weights."""
+    from primus_turbo.pytorch.ops import swiglu_fp8, swiglu_with_probs
+
+    lens = _group_lens(kind, 4, 16)
+    tokens = int(lens.sum())
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(tokens, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    probs = torch.rand(tokens, generator=gen).to(DEVICE)
+    b = (torch.randn(4, 48, 64, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
+    grad = torch.randn(tokens, 48, generator=gen).to(torch.bfloat16).to(DEVICE)
+    config = Float8QuantConfig(format=fmt)
+    results = []
+    for fused in (False, True):
+        h_, p_, b_ = (t.detach().requires_grad_() for t in (h, probs, b))
+        act = swiglu_fp8(h_, config, p_) if fused else swiglu_with_probs(h_, p_)
+        out = grouped_gemm_fp8(act, b_, lens, trans_b=True, config=config)
+        out.backward(grad)
+        results.append((out, h_.grad, p_.grad, b_.grad))
+    for plain, fused in zip(*results, strict=True):
+        assert torch.equal(plain, fused)
+
+
+def test_fp8_tokens_bad_input():
+    from primus_turbo.pytorch.ops import QuantizedTensor, quantize_fp8
+
+    lens = _group_lens("balanced", 2, 8)
+    a, b, _ = _operands(lens, 64, 64, True, torch.bfloat16)
+    rows = QuantizedTensor.quantize(a.detach(), torch.float8_e4m3fn, G.ROWWISE, axis=1)
+    with pytest.raises(ValueError, match="TENSORWISE scaling only"):
+        grouped_gemm_fp8(rows, b, lens, trans_b=True, config=Float8QuantConfig(granularity=G.ROWWISE))
+    q, s = quantize_fp8(a.detach(), torch.float8_e5m2, G.TENSORWISE)
+    with pytest.raises(TypeError, match="a.data must be"):
+        grouped_gemm_fp8(QuantizedTensor(q, s, G.TENSORWISE), b, lens, trans_b=True)
+    q, s = quantize_fp8(a.detach(), torch.float8_e4m3fn, G.TENSORWISE)
+    with pytest.raises(ValueError, match="needs the high-precision a"):
+        grouped_gemm_fp8(QuantizedTensor(q, s, G.TENSORWISE), b, lens, trans_b=True, fp8_wgrad=False)
+    out = grouped_gemm_fp8(QuantizedTensor(q, s, G.TENSORWISE), b.detach(), lens, trans_b=True)
+    assert out.shape == (a.shape[0], 64) and not out.requires_grad  # forward only: nothing to differentiate
+
+
 def test_prequantized_experts_must_match_the_call():
     lens = _group_lens("balanced", 2, 8)
     a, b, _ = _operands(lens, 64, 64, True, torch.bfloat16)
