@@ -66,6 +66,11 @@ class Fp8PrimaryWeight:
         for slot, w in enumerate(weights):
             setattr(w, ATTR, (self, slot))
 
+    def __getstate__(self) -> dict:
+        """Pickled (a saved parameter carries its copies) or deep-copied without the owning optimizer: a
+        copy is not rewritten by it."""
+        return {**self.__dict__, "_owner": None}
+
     @property
     def owner(self) -> object | None:
         """The optimizer that writes these copies in its step, if any (held weakly)."""

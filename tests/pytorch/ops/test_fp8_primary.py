@@ -10,7 +10,7 @@ import torch
 from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
 from primus_turbo.pytorch.kernels.optim import adamw_fp8_impl as impl
 from primus_turbo.pytorch.ops import quantize_fp8_experts, quantize_fp8_weight
-from primus_turbo.pytorch.ops.fp8_primary import Fp8PrimaryWeight, adamw_fp8_step_
+from primus_turbo.pytorch.ops.fp8_primary import Fp8PrimaryWeight, adamw_fp8_step_, fp8_primary_of
 from tests.pytorch.test_utils import DEVICES
 
 DEVICE = DEVICES[0]
@@ -178,6 +178,25 @@ def test_stale_copies_are_quantized_again():
     view = copies.view([weight])
     assert view.hp is weight
     _assert_copies_match_weight(copies, weight, config)
+
+
+def test_weight_with_copies_pickles_without_its_optimizer():
+    """A parameter carries its copies through pickling (whole-model saves, checkpoint writers that keep
+    parameters); the copy is owned by no optimizer and is stale until quantized. (``copy.deepcopy`` of a
+    parameter keeps no attributes: the copy makes its own copies on first use.)"""
+    import io
+
+    weight = torch.nn.Parameter(_randn(SHAPE, torch.bfloat16))
+    copies = Fp8PrimaryWeight([weight], CONFIGS["tensorwise"], experts=False)
+    copies.view([weight])
+    copies.owner = torch.optim.SGD([weight], lr=0.1)
+    buffer = io.BytesIO()
+    torch.save(weight, buffer)
+    buffer.seek(0)
+    clone = torch.load(buffer, weights_only=False)
+    twin = fp8_primary_of(clone)[0]
+    assert twin is not copies and twin.owner is None and not twin.fresh([clone])
+    assert torch.equal(_bits(twin.view([clone]).data), _bits(copies.q[0]))
 
 
 def test_non_finite_gradient_gives_nan_scale():
