@@ -18,7 +18,7 @@ from primus_turbo.pytorch.ops.fp8_primary import adamw_fp8_step_, fp8_primary_of
 
 __all__ = ["FusedAdamW"]
 
-_UNSUPPORTED = ("amsgrad", "capturable", "differentiable", "fused")
+_UNSUPPORTED = ("amsgrad", "capturable", "differentiable")
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
 
 
@@ -27,8 +27,9 @@ class FusedAdamW(torch.optim.AdamW):
 
     ``master_weights``: keep an fp32 master copy of each FP8-primary bf16/fp16 weight and update that
     (the weight is then its rounding), as mixed-precision optimizers do. Weights may get their FP8 copies
-    after the optimizer is made (a module makes them on its first FP8 forward). Not supported for
-    FP8-primary weights: ``amsgrad``, ``capturable``, ``differentiable``, ``fused``; sparse gradients."""
+    after the optimizer is made (a module makes them on its first FP8 forward). ``fused=True`` runs
+    torch's fused kernel for the other parameters. Not supported for FP8-primary weights: ``amsgrad``,
+    ``capturable``, ``differentiable``; sparse gradients."""
 
     def __init__(
         self,

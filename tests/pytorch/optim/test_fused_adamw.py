@@ -34,12 +34,15 @@ def _grads(params, step):
         p.grad = torch.randn(p.shape, generator=gen).to(p.dtype).to(DEVICE)
 
 
-def test_matches_torch_adamw():
-    """The FP8-primary weight lands where torch.optim.AdamW puts it, the other parameter bit for bit, and
-    the FP8 copies are the quantized weight after every step."""
+@pytest.mark.parametrize("torch_fused", [False, True], ids=["foreach", "torch-fused"])
+def test_matches_torch_adamw(torch_fused):
+    """The FP8-primary weight lands where torch.optim.AdamW puts it, the other parameter bit for bit (with
+    ``fused=True`` through torch's fused kernel), and the FP8 copies are the quantized weight after every
+    step."""
     fused, plain = _params(), _params()
     copies = Fp8PrimaryWeight([fused[0]], CONFIG, experts=False)
-    opt, ref = FusedAdamW(fused, **HYPER), torch.optim.AdamW(plain, **HYPER)
+    opt = FusedAdamW(fused, fused=torch_fused, **HYPER)
+    ref = torch.optim.AdamW(plain, fused=torch_fused, **HYPER)
     for step in range(3):
         _grads(fused, step)
         _grads(plain, step)
