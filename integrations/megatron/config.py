@@ -295,14 +295,9 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
     if deepep and _get(config, "moe_pad_expert_input_to_capacity", False):
         raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
     fp8 = fp8_quant_config(config) if (gemm or grouped) else None
-    if (
-        _get(config, "fp8_param", False)
-        and (gemm or grouped)
-        and (
-            fp8 is None
-            or fp8.granularity not in (ScalingGranularity.TENSORWISE, ScalingGranularity.BLOCKWISE)
-        )
-    ):
+    fp8_param = _get(config, "fp8_param", False) or _get(config, "fp8_param_gather", False)  # config / args
+    primary_scalings = (ScalingGranularity.TENSORWISE, ScalingGranularity.BLOCKWISE)
+    if fp8_param and (gemm or grouped) and (fp8 is None or fp8.granularity not in primary_scalings):
         raise ValueError(
             "fp8_param (--fp8-param-gather) keeps FP8 primary copies of the Turbo linears' weights: it "
             "needs --fp8 with --fp8-recipe tensorwise or blockwise"

@@ -104,6 +104,7 @@ def test_insisting_on_an_unusable_feature_raises(flag, overrides, message):
         ({"tp_comm_overlap": True}, "tp_comm_overlap"),
         ({"fp4": "nvfp4"}, "--fp4"),
         ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param": True}, "fp8_param"),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True}, "fp8_param"),
         ({"moe_shared_expert_overlap": True}, "shared-expert-overlap"),
         ({"moe_pad_expert_input_to_capacity": True}, "capacity"),
         ({"fp8": "e4m3", "fp8_recipe": "delayed"}, "tensorwise | blockwise | mxfp8"),
