@@ -807,3 +807,49 @@ def test_cuda_graph_reads_fp8_primary_copies_the_optimizer_rewrites(moe_fp8, gro
             b.copy_(a)
         expected, _ = plain(*args)
     assert torch.equal(captured, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron's distributed optimizer needs a GPU")
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_param_trains_under_megatrons_distributed_optimizer(moe_fp8, recipe):
+    """Megatron's DDP and distributed optimizer (which writes the parameter buffer without the version
+    counters seeing it) with ``fp8_param``: the layer quantizes its copies again on each step's first
+    micro-batch, so training follows the run without ``fp8_param`` step for step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import MegatronModule
+
+    class Model(MegatronModule):
+        def __init__(self, config):
+            super().__init__(config)
+            self.linear = TurboColumnParallelLinear(
+                128, 256, config=config, init_method=_init, gather_output=False, bias=False,
+                skip_bias_add=False, is_expert=False,
+            )  # fmt: skip
+
+        def forward(self, x):
+            return self.linear(x)[0]
+
+    x = torch.randn(16, 128, dtype=torch.bfloat16, device=_device())
+    runs = []
+    for fp8_param in (False, True):
+        torch.manual_seed(0)
+        config = tiny_config(fp8="e4m3", fp8_recipe=recipe, fp8_param=fp8_param, hidden_size=128)
+        model = Model(config).to(_device())
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+        ddp = DistributedDataParallel(config, ddp_config, model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True), [ddp]
+        )
+        losses = []
+        for _ in range(4):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            model.linear.is_first_microbatch = True  # as Megatron's schedule sets it each step
+            loss = ddp(x).float().pow(2).mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+            optimizer.step()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert runs[0] == runs[1] and runs[0][-1] < runs[0][0]
