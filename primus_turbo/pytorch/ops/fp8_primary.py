@@ -246,8 +246,8 @@ def adamw_fp8_step_(
 
     ``exp_avgs``/``exp_avg_sqs`` are fp32 of each weight's shape; with ``masters`` (fp32) the update runs
     on them and the weights receive them rounded. Everything is updated in place. Consecutive slots of one
-    set of copies (a layer's experts) whose weights, gradients and state lie back to back in memory run as
-    one kernel."""
+    set of copies (a layer's experts) whose weights and state lie back to back in memory run as one kernel
+    (their gradients are joined first where they do not)."""
     one = isinstance(weights, torch.Tensor)
     weights, grads, exp_avgs, exp_avg_sqs = (
         [t] if one else list(t) for t in (weights, grads, exp_avgs, exp_avg_sqs)
@@ -264,7 +264,7 @@ def adamw_fp8_step_(
     for end in range(1, len(weights) + 1):
         if end < len(weights):
             (copies, slot), (prev_copies, prev_slot) = primaries[end], primaries[end - 1]
-            lists = [weights, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters[end] is not None else [])
+            lists = [weights, exp_avgs, exp_avg_sqs] + ([masters] if masters[end] is not None else [])
             if (
                 copies is prev_copies
                 and slot == prev_slot + 1
@@ -279,13 +279,15 @@ def adamw_fp8_step_(
 
 
 def _launch(primary, weights, grads, exp_avgs, exp_avg_sqs, masters, lr, betas, eps, weight_decay, step):
-    """One kernel over ``weights``: consecutive slots of ``primary``'s copies from its slot on."""
+    """One kernel over ``weights``: consecutive slots of ``primary``'s copies from its slot on. Gradients
+    that do not lie back to back are joined by one copy (cheaper than a launch per expert)."""
     copies, first = primary
     slots = slice(first, first + len(weights))
+    joined = all(_follows(a, b) for a, b in zip(grads, grads[1:], strict=False))
     call_op(
         adamw_fp8_step_impl,
         _stack(weights),
-        _stack(grads),
+        _stack(grads) if joined else torch.stack(grads),
         _stack(exp_avgs),
         _stack(exp_avg_sqs),
         None if masters[0] is None else _stack(masters),

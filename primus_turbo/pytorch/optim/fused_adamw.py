@@ -104,14 +104,19 @@ class FusedAdamW(torch.optim.AdamW):
                 raise RuntimeError("FusedAdamW does not support sparse gradients")
             self._init_state(params)
             # a layer's experts in slot order, so that the back-to-back ones run as one kernel
-            order = {id(fp8_primary_of(p)[0]): i for i, p in reversed(list(enumerate(params)))}
-            params.sort(key=lambda p: (order[id(fp8_primary_of(p)[0])], fp8_primary_of(p)[1]))
-            by_step: dict[int, list[torch.Tensor]] = {}
+            primaries = {id(p): fp8_primary_of(p) for p in params}
+            order: dict[int, int] = {}
             for p in params:
-                fp8_primary_of(p)[0].owner = self  # the copies are rewritten in place every step from now on
-                state = self.state[p]
-                state["step"] += 1
-                by_step.setdefault(int(state["step"].item()), []).append(p)
+                order.setdefault(id(primaries[id(p)][0]), len(order))
+            params.sort(key=lambda p: (order[id(primaries[id(p)][0])], primaries[id(p)][1]))
+            for copies, _ in {id(c): (c, s) for c, s in primaries.values()}.values():
+                if copies.owner is not self:
+                    copies.owner = self  # the copies are rewritten in place every step from now on
+            steps = [self.state[p]["step"] for p in params]
+            torch._foreach_add_(steps, 1)
+            by_step: dict[int, list[torch.Tensor]] = {}
+            for p, step in zip(params, torch.stack(steps).tolist(), strict=True):
+                by_step.setdefault(int(step), []).append(p)
             for step, stepped in by_step.items():
                 states = [self.state[p] for p in stepped]
                 masters = [s.get("master_param") for s in states]
