@@ -108,6 +108,41 @@ def test_float8_linear_compiles_forward_and_backward():
     assert compute_snr(ref_grad_x, grad_x) >= 20
 
 
+@pytest.mark.parametrize("granularity", [ScalingGranularity.TENSORWISE, ScalingGranularity.BLOCKWISE])
+def test_float8_linear_with_fp8_primary_weight(granularity):
+    """``fp8_primary``: FusedAdamW's step writes the weight's FP8 copies, which the forward reads without
+    quantizing; the layer computes what the plain FP8 layer computes on the same weights, bit for bit."""
+    from primus_turbo.pytorch.ops.fp8_primary import fp8_primary_of
+    from primus_turbo.pytorch.optim import FusedAdamW
+
+    block = FP8_BLOCK if granularity is ScalingGranularity.BLOCKWISE else None
+    config = Float8QuantConfig(granularity=granularity, block_size=block)
+    torch.manual_seed(0)
+    layer = Float8Linear(2 * FP8_BLOCK, FP8_BLOCK, device=DEVICE, dtype=torch.bfloat16, config=config,
+                         fp8_primary=True)  # fmt: skip
+    plain = Float8Linear.from_float(torch.nn.Linear(2 * FP8_BLOCK, FP8_BLOCK), config)
+    plain = plain.to(device=DEVICE, dtype=torch.bfloat16)
+    opt = FusedAdamW(layer.parameters(), lr=1e-2)
+    x = torch.randn(8, 2 * FP8_BLOCK, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(2):
+        layer(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    copies, _ = fp8_primary_of(layer.weight)
+    assert copies.fresh([layer.weight]) and copies.owner is opt
+    with torch.no_grad():
+        plain.weight.copy_(layer.weight), plain.bias.copy_(layer.bias)
+    assert torch.equal(layer(x), plain(x))
+    torch._dynamo.reset()  # compiled, the graph quantizes the weight itself: the same values
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), plain(x))
+    with pytest.raises(ValueError, match="fp8_primary needs"):
+        Linear(16, 8, fp8_primary=True)
+    with pytest.raises(ValueError, match="fp8_primary needs"):
+        Float8Linear(
+            16, 8, config=Float8QuantConfig(granularity=ScalingGranularity.ROWWISE), fp8_primary=True
+        )
+
+
 def test_float8_linear_errors_and_repr():
     with pytest.raises(TypeError, match="Float8QuantConfig"):
         Linear(16, 8, quant_config="fp8")
