@@ -126,7 +126,6 @@ def adamw_fp8_step_triton(
     q_t: torch.Tensor,
     scale: torch.Tensor,
     scale_t: torch.Tensor | None,
-    *,
     lr: float,
     beta1: float,
     beta2: float,

@@ -88,52 +88,16 @@ def adamw_fp8_step_impl(
     step: int,
     block: int,
 ) -> None:
-    """AdamW step ``step`` of ``param`` and its FP8 copies; see ``ops.optimizer.adamw_fp8_step_``."""
+    """AdamW step ``step`` of ``param`` and its FP8 copies; see ``ops.fp8_primary.adamw_fp8_step_``."""
     if param.numel() == 0:
         return
-    if fp8_triton_usable(param, q.dtype):
-        adamw_fp8_step_triton(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            master,
-            q,
-            q_t,
-            scale,
-            scale_t,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            step=step,
-            block=block,
-        )
-        return
-    adamw_fp8_step_reference(
-        param, grad, exp_avg, exp_avg_sq, master, q, q_t, scale, scale_t,
-        lr, beta1, beta2, eps, weight_decay, step, block,
-    )  # fmt: skip
+    run = adamw_fp8_step_triton if fp8_triton_usable(param, q.dtype) else adamw_fp8_step_reference
+    run(param, grad, exp_avg, exp_avg_sq, master, q, q_t, scale, scale_t,
+        lr, beta1, beta2, eps, weight_decay, step, block)  # fmt: skip
 
 
-@adamw_fp8_step_impl.register_fake
-def _adamw_fp8_step_fake(
-    param,
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    master,
-    q,
-    q_t,
-    scale,
-    scale_t,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    block,
-):
-    return None
+def _adamw_fp8_step_fake(*args) -> None:
+    """Nothing to allocate: the op writes its arguments in place."""
+
+
+adamw_fp8_step_impl.register_fake(_adamw_fp8_step_fake)
