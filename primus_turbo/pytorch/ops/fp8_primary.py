@@ -113,7 +113,7 @@ class Fp8PrimaryWeight:
     def refresh(self, weights: Sequence[torch.Tensor]) -> None:
         """Quantize ``weights`` into the copies again (as the forward would quantize them)."""
         if self.experts:
-            made = quantize_fp8_experts(torch.stack(list(weights)), self.config, trans_b=True)
+            made = quantize_fp8_experts(_joined(list(weights)), self.config, trans_b=True)
             self.q.copy_(made.forward[0])
             self.q_t.copy_(made.dgrad[0].transpose(1, 2))
             self.scale.copy_(made.forward[1].view(self.scale.shape))
@@ -228,6 +228,15 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].as_strided((len(tensors), rows, cols), (rows * cols, cols, 1))
 
 
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[B, R, C]: a view where the tensors lie back to back, else a stacked copy."""
+    if all(t.is_contiguous() for t in tensors) and all(
+        _follows(a, b) for a, b in zip(tensors, tensors[1:], strict=False)
+    ):
+        return _stack(tensors)
+    return torch.stack(tensors)
+
+
 def adamw_fp8_step_(
     weights: torch.Tensor | Sequence[torch.Tensor],
     grads: torch.Tensor | Sequence[torch.Tensor],
@@ -283,11 +292,10 @@ def _launch(primary, weights, grads, exp_avgs, exp_avg_sqs, masters, lr, betas, 
     that do not lie back to back are joined by one copy (cheaper than a launch per expert)."""
     copies, first = primary
     slots = slice(first, first + len(weights))
-    joined = all(_follows(a, b) for a, b in zip(grads, grads[1:], strict=False))
     call_op(
         adamw_fp8_step_impl,
         _stack(weights),
-        _stack(grads) if joined else torch.stack(grads),
+        _joined(grads),
         _stack(exp_avgs),
         _stack(exp_avg_sqs),
         None if masters[0] is None else _stack(masters),
