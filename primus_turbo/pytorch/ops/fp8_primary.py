@@ -29,7 +29,7 @@ from primus_turbo.pytorch.ops.gemm_fp8 import quantize_fp8_weight
 from primus_turbo.pytorch.ops.grouped_gemm_fp8 import QuantizedExperts, quantize_fp8_experts
 from primus_turbo.pytorch.ops.quantization import QuantizedTensor
 
-__all__ = ["Fp8PrimaryWeight", "adamw_fp8_step_", "fp8_primary_of", "fp8_primary_view"]
+__all__ = ["Fp8PrimaryWeight", "adamw_fp8_step_", "back_to_back", "fp8_primary_of", "fp8_primary_view"]
 
 _G = ScalingGranularity
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -228,13 +228,16 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].as_strided((len(tensors), rows, cols), (rows * cols, cols, 1))
 
 
+def back_to_back(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether contiguous tensors of one dtype follow each other in one storage, in order."""
+    return all(t.is_contiguous() for t in tensors) and all(
+        _follows(a, b) for a, b in zip(tensors, tensors[1:], strict=False)
+    )
+
+
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[B, R, C]: a view where the tensors lie back to back, else a stacked copy."""
-    if all(t.is_contiguous() for t in tensors) and all(
-        _follows(a, b) for a, b in zip(tensors, tensors[1:], strict=False)
-    ):
-        return _stack(tensors)
-    return torch.stack(tensors)
+    return _stack(tensors) if back_to_back(tensors) else torch.stack(tensors)
 
 
 def adamw_fp8_step_(

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from primus_turbo.pytorch.ops.fp8_primary import adamw_fp8_step_, fp8_primary_of
+from primus_turbo.pytorch.ops.fp8_primary import adamw_fp8_step_, back_to_back, fp8_primary_of
 
 __all__ = ["FusedAdamW"]
 
@@ -46,31 +46,31 @@ class FusedAdamW(torch.optim.AdamW):
         self.master_weights = master_weights
 
     def _init_state(self, params: list[torch.Tensor]) -> None:
-        """AdamW's state for FP8-primary weights without one. A layer's experts (slots of one set of
-        copies, back to back in memory) get their moments (and masters) as slices of one allocation each,
-        so their step runs as one kernel."""
-        fresh = [p for p in params if not self.state[p]]
+        """AdamW's state for FP8-primary weights: created where missing, fp32 (also after a state-dict
+        load), masters where asked for. A layer's experts (slots of one set of copies) get each state
+        tensor as slices of one allocation, so that their step runs as one kernel."""
         by_copies: dict[int, list[torch.Tensor]] = {}
-        for p in fresh:
+        for p in params:
             by_copies.setdefault(id(fp8_primary_of(p)[0]), []).append(p)
         for members in by_copies.values():
             members.sort(key=lambda p: fp8_primary_of(p)[1])
-            stacked = (len(members), *members[0].shape)
-            device = members[0].device
-            buffers = {key: torch.zeros(stacked, device=device) for key in ("exp_avg", "exp_avg_sq")}
-            if self.master_weights and members[0].dtype != torch.float32:
-                buffers["master_param"] = torch.stack([p.detach().float() for p in members])
-            for i, p in enumerate(members):
+            for p in members:
                 state = self.state[p]
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state.update({key: buffer[i] for key, buffer in buffers.items()})
-        for p in params:  # after a state-dict load: fp32, and masters where asked for
-            state = self.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
-                if state[key].dtype != torch.float32:
-                    state[key] = state[key].float().contiguous()
-            if self.master_weights and p.dtype != torch.float32 and "master_param" not in state:
-                state["master_param"] = p.detach().float().contiguous()
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if state[key].dtype != torch.float32 or not state[key].is_contiguous():
+                        state[key] = state[key].float().contiguous()
+                if self.master_weights and p.dtype != torch.float32 and "master_param" not in state:
+                    state["master_param"] = p.detach().float().contiguous()
+            for key in _FP32_STATE:
+                tensors = [self.state[p].get(key) for p in members]
+                if len(members) > 1 and all(t is not None for t in tensors) and not back_to_back(tensors):
+                    joined = torch.stack(tensors)
+                    for p, part in zip(members, joined, strict=True):
+                        self.state[p][key] = part
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, keeping the fp32 moments and masters of FP8-primary

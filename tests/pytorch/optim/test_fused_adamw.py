@@ -116,8 +116,8 @@ def test_unsupported_options():
 
 
 def test_experts_share_one_state_allocation():
-    """A layer's experts get their moments as slices of one allocation (so one kernel steps them) and land
-    where torch.optim.AdamW puts them."""
+    """A layer's experts get their moments as slices of one allocation (so one kernel steps them), also
+    after a state-dict load, and land where torch.optim.AdamW puts them."""
     config = Float8QuantConfig()
     stacked = torch.randn(3, *SHAPE, device=DEVICE)
     experts = [torch.nn.Parameter(w) for w in stacked.clone().unbind()]
@@ -134,3 +134,12 @@ def test_experts_share_one_state_allocation():
     assert len(pointers) == 1 and copies.fresh(experts)
     for p, q in zip(experts, plain, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    saved = opt.state_dict()
+    # as from torch.optim.AdamW: each state tensor its own allocation
+    saved["state"] = {i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()}
+    resumed = FusedAdamW(experts, **HYPER)
+    resumed.load_state_dict(saved)
+    assert len({resumed.state[p]["exp_avg"].untyped_storage().data_ptr() for p in experts}) == 3
+    resumed.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert len({resumed.state[p][key].untyped_storage().data_ptr() for p in experts}) == 1
