@@ -1,5 +1,6 @@
 """``FusedAdamW``: ``torch.optim.AdamW`` whose step also writes the FP8 copies of weights that have FP8
-primary copies (``ops.fp8_primary``), in one kernel per weight, so no forward quantizes them.
+primary copies (``ops.fp8_primary``), one kernel per weight (per layer for its experts), so no forward
+quantizes them.
 
 Other parameters take ``torch.optim.AdamW``'s own step. The state keeps AdamW's keys (``step``,
 ``exp_avg``, ``exp_avg_sq``; fp32 moments for FP8-primary weights) and, with ``master_weights``, an fp32
