@@ -4,9 +4,9 @@
 (G of them, [N, K] each): the forward's ``q`` [G, N, K], the input gradient's ``q_t`` [G, K, N] and their
 scales, laid out as ``quantize_fp8_weight`` / ``quantize_fp8_experts(..., trans_b=True)`` return them, so
 a forward reads them as its ``QuantizedTensor`` / ``QuantizedExperts`` without quantizing. ``adamw_fp8_step_``
-updates a weight and writes its slot of the copies in one kernel. Each slot remembers the weight's version
-counter and storage at its last write: an in-place change by anything else (a checkpoint load, another
-optimizer) makes it stale, and ``view`` quantizes stale slots again first.
+updates weights and writes their slots of the copies in the same kernel (a layer's experts in one). Each
+slot remembers the weight's version counter and storage at its last write: an in-place change by anything
+else (a checkpoint load, another optimizer) makes it stale, and ``view`` quantizes stale slots again first.
 """
 
 from __future__ import annotations
