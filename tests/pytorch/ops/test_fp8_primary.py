@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, ScalingGranularity
+from primus_turbo.pytorch.core.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from primus_turbo.pytorch.kernels.optim import adamw_fp8_impl as impl
 from primus_turbo.pytorch.ops import quantize_fp8_experts, quantize_fp8_weight
 from primus_turbo.pytorch.ops.fp8_primary import Fp8PrimaryWeight, adamw_fp8_step_, fp8_primary_of
@@ -19,6 +19,11 @@ BLOCK = 128 if DEVICE == "cuda" else 32
 CONFIGS = {
     "tensorwise": Float8QuantConfig(),
     "blockwise": Float8QuantConfig(granularity=G.BLOCKWISE, block_size=BLOCK),
+}
+# E5M2 copies (Format.E5M2 runs every operand in it)
+E5M2_CONFIGS = {
+    "tensorwise-e5m2": Float8QuantConfig(format=Format.E5M2),
+    "blockwise-e5m2": Float8QuantConfig(format=Format.E5M2, granularity=G.BLOCKWISE, block_size=BLOCK),
 }
 SHAPE = (2 * BLOCK, 3 * BLOCK)
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -47,12 +52,12 @@ def _assert_copies_match_weight(copies: Fp8PrimaryWeight, weight: torch.Tensor, 
         assert torch.equal(copies.scale_t[0], made.scale_inv_t)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", [*CONFIGS, *E5M2_CONFIGS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_copies_equal_quantized_weight(name, dtype):
     """After every fused step the copies are the quantization of the stored weight, and the update is
     the TORCH reference's."""
-    config = CONFIGS[name]
+    config = {**CONFIGS, **E5M2_CONFIGS}[name]
     weight, ref = _randn(SHAPE, dtype), _randn(SHAPE, dtype)
     copies = Fp8PrimaryWeight([weight], config, experts=False)
     ref_copies = Fp8PrimaryWeight([ref], config, experts=False)
@@ -69,10 +74,10 @@ def test_copies_equal_quantized_weight(name, dtype):
         )  # fmt: skip
         _assert_copies_match_weight(copies, weight, config)
         assert copies.fresh([weight])
-    if dtype is torch.bfloat16:
-        # a step smaller than a bf16 ulp rounds to no move or one ulp: an fp32 rounding difference in the
+    if dtype is not torch.float32:
+        # a step smaller than a 16-bit ulp rounds to no move or one ulp: an fp32 rounding difference in the
         # update (fused multiply-adds, division) can flip that, at most one ulp a step
-        ulp = ref.float().abs() * 2.0**-7
+        ulp = ref.float().abs() * 2.0 ** (-7 if dtype is torch.bfloat16 else -10)
         assert ((weight.float() - ref.float()).abs() <= 3 * ulp).all()
     else:
         torch.testing.assert_close(weight, ref, rtol=1e-5, atol=1e-6)
