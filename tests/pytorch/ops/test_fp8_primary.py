@@ -85,6 +85,18 @@ def test_copies_equal_quantized_weight(name, dtype):
     torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_blocks_updated_in_several_chunks(block):
+    """2-D blocks larger than the kernel's 32-row update chunk: the tile's amax gathers every chunk."""
+    config = Float8QuantConfig(granularity=G.BLOCKWISE, block_size=block)
+    weight = _randn((2 * block, block), torch.bfloat16)
+    weight[block + 5, 7] = 40.0  # the largest value sits in a later chunk of the second tile
+    copies = Fp8PrimaryWeight([weight], config, experts=False)
+    m, v = _state(weight.shape)
+    adamw_fp8_step_(weight, _randn(weight.shape, torch.bfloat16, seed=1), m, v, step=1, **HYPER)
+    _assert_copies_match_weight(copies, weight, config)
+
+
 def test_update_matches_torch_adamw():
     """fp32 weight: three fused steps land where ``torch.optim.AdamW`` does."""
     weight = _randn(SHAPE)
