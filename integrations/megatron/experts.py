@@ -261,7 +261,7 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         group_lens = torch.as_tensor(m_splits, dtype=torch.int64).to(device, non_blocking=True)
         bias = self._stacked("bias") if self.use_bias else None
         weight = self._stacked("weight")
-        config, fp8_wgrad = self._fp8_plan(x.shape[0])
+        config, fp8_wgrad = self._fp8_plan(x.shape[0], isinstance(x, QuantizedTensor))
         if isinstance(x, QuantizedTensor) and config is None:
             raise ValueError("an FP8 input needs the layer's FP8 plan (see fp8_input)")
         fp8_weight = self._fp8_weight(weight) if config is not None else None
@@ -269,10 +269,10 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
         FP8WeightCache.microbatch_done(self)
         return out, None
 
-    def _fp8_plan(self, tokens: int) -> tuple[Float8QuantConfig | None, bool]:
+    def _fp8_plan(self, tokens: int, input_fp8: bool = False) -> tuple[Float8QuantConfig | None, bool]:
         """(FP8 config or None for bf16, FP8 weight gradient): the layer's settings, or under the FP8
         auto-filter the cost model's choice at ``tokens`` rows (the wgrad's precision too, unless
-        ``--no-turbo-fp8-expert-wgrad`` fixed it to bf16)."""
+        ``--no-turbo-fp8-expert-wgrad`` fixed it to bf16), the input arriving in FP8 or not."""
         if self.quant_config is None or self.fp8_auto_filter is None:
             return self.quant_config, self.fp8_wgrad
         use_fp8, fp8_wgrad = self._fp8_choice.decide(
@@ -281,14 +281,18 @@ class TurboGroupedLinear(_ExtraState, nn.Module):
             tokens,
             groups=self.num_gemms,
             fp8_wgrad=None if self.fp8_wgrad else False,
+            input_fp8=input_fp8,
         )
         return (self.quant_config, fp8_wgrad) if use_fp8 else (None, self.fp8_wgrad)
 
     def fp8_input(self, tokens: int) -> Float8QuantConfig | None:
         """The config under which a producer may hand this layer its input already in FP8 (``swiglu_fp8``),
         or None: tensorwise FP8 with an FP8 weight gradient (which reads the producer's transposed copy);
-        the other scalings quantize the input along each expert's tokens for the weight gradient."""
-        config, fp8_wgrad = self._fp8_plan(tokens)
+        the other scalings quantize the input along each expert's tokens for the weight gradient. Under
+        the FP8 auto-filter the choice is the cost model's with the input's quantization left out."""
+        if self.quant_config is None or self.quant_config.granularity is not ScalingGranularity.TENSORWISE:
+            return None
+        config, fp8_wgrad = self._fp8_plan(tokens, input_fp8=True)
         if config is None or config.granularity is not ScalingGranularity.TENSORWISE or not fp8_wgrad:
             return None
         return config

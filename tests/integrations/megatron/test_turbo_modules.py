@@ -853,3 +853,25 @@ def test_fp8_param_trains_under_megatrons_distributed_optimizer(moe_fp8, recipe)
             losses.append(loss.item())
         runs.append(losses)
     assert runs[0] == runs[1] and runs[0][-1] < runs[0][0]
+
+
+def test_fp8_auto_filter_weighs_fc2_with_its_fp8_input(moe_fp8, monkeypatch):
+    """Under the auto-filter the fused activation's FP8 output is part of fc2's choice: fc2 is asked with
+    its input arriving in FP8 (the cost model leaves that quantization out), and then reads it so."""
+    from primus_turbo.integrations.megatron.experts import TurboGroupedMLPWithFusedAct
+    from primus_turbo.pytorch.ops import QuantizedTensor
+
+    monkeypatch.setattr(TurboGroupedLinear, "fp8_auto_filter", "eager")
+    calls = _force(monkeypatch, use_fp8=True, fp8_wgrad=True)
+    config = tiny_moe_config(
+        moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise", moe_ffn_hidden_size=64
+    )
+    experts = TurboGroupedMLPWithFusedAct(2, config).to(_device())
+    inputs = []
+    forward = experts.linear_fc2.forward
+    monkeypatch.setattr(experts.linear_fc2, "forward", lambda a, m: (inputs.append(a), forward(a, m))[1])
+    x = torch.randn(12, 64, dtype=torch.bfloat16, device=_device())
+    experts(x, torch.tensor([5, 7]), torch.rand(12, device=_device()))
+    assert isinstance(inputs[0], QuantizedTensor)
+    fc2_calls = [c for c in calls if c["in_features"] == 64 and c["out_features"] == 64]
+    assert fc2_calls and all(c["input_fp8"] for c in fc2_calls)
