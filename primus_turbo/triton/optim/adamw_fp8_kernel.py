@@ -20,8 +20,9 @@ import triton.language as tl
 
 from primus_turbo.triton.quantization.fp8_quant_kernel import (
     _group_scale,
-    _saturate,
+    finite_tile_amax,
     quantize_fp8_with_trans_tiles_triton,
+    store_tile_with_trans,
 )
 from primus_turbo.triton.utils.device_info import fp8_cast_saturates
 from primus_turbo.triton.utils.launch import cached_launch
@@ -95,10 +96,9 @@ def _adamw_fp8_tiles_kernel(
             tl.store(master_ptr + offs, p, mask=mask)
         stored = p.to(p_ptr.dtype.element_ty)
         tl.store(p_ptr + offs, stored, mask=mask)
-        mag = tl.abs(stored.to(tl.float32))
-        nonfinite = (mag != mag) | (mag == float("inf"))
-        bad += tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.where(nonfinite, 0.0, mag), axis=1), axis=0))
+        chunk_amax, chunk_bad = finite_tile_amax(stored.to(tl.float32))
+        amax = tl.maximum(amax, chunk_amax)
+        bad += chunk_bad
     if BLOCK_2D:
         multiplier, scale_inv = _group_scale(amax, bad, FP8_MAX, False, 0)
         tl.store(s_ptr + b * stride_sb + pid_r * stride_sr + pid_c, scale_inv)
@@ -108,10 +108,9 @@ def _adamw_fp8_tiles_kernel(
         r = (pid_r * TILE + tl.arange(0, TILE)).to(tl.int64)
         mask = (r < rows)[:, None] & (c < cols)[None, :]
         x = tl.load(p_ptr + base + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + base + r[:, None] * cols + c[None, :], q, mask=mask)
-        bits = tl.trans(q.to(tl.uint8, bitcast=True))
-        tl.store(q_t_ptr + base + c[:, None] * rows + r[None, :], bits, mask=tl.trans(mask))
+        store_tile_with_trans(
+            x, multiplier, q_ptr + base, q_t_ptr + base, r, c, rows, cols, mask, FP8_MAX, CAST_SATURATES
+        )
     else:
         tl.atomic_max(amax_ptr + b, tl.where(bad > 0, float("inf"), amax))
 

@@ -325,6 +325,30 @@ def _tensorwise_cast_kernel(
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def finite_tile_amax(x):
+    """(amax of the finite magnitudes of a 2-D tile, its count of NaN / inf values): the inputs of a 2-D
+    block's ``_group_scale``."""
+    mag = tl.abs(x)
+    nonfinite = (mag != mag) | (mag == float("inf"))
+    bad = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0)
+    amax = tl.max(tl.max(tl.where(nonfinite, 0.0, mag), axis=1), axis=0)
+    return amax, bad
+
+
+@triton.jit
+def store_tile_with_trans(
+    x, multiplier, q_ptr, q_t_ptr, r, c, rows, cols, mask, FP8_MAX: tl.constexpr, CAST_SATURATES: tl.constexpr
+):
+    """The fp32 tile ``x`` at rows ``r`` and columns ``c`` of a [rows, cols] matrix, times ``multiplier``
+    and saturated, stored in ``q`` [rows, cols] and transposed in ``q_t`` [cols, rows] (a uint8 view: the
+    transposed copy moves as bytes, as the plain transpose kernel does)."""
+    q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + r[:, None] * cols + c[None, :], q, mask=mask)
+    bits = tl.trans(q.to(tl.uint8, bitcast=True))
+    tl.store(q_t_ptr + c[:, None] * rows + r[None, :], bits, mask=tl.trans(mask))
+
+
 @cached_launch
 @triton.jit
 def _quantize_with_trans_tiles_kernel(
@@ -360,10 +384,7 @@ def _quantize_with_trans_tiles_kernel(
     x = tl.load(x_ptr + b * stride_xb + r[:, None] * stride_xr + c[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     if BLOCK_2D:
-        mag = tl.abs(x)
-        nonfinite = (mag != mag) | (mag == float("inf"))
-        bad = tl.sum(tl.sum(nonfinite.to(tl.int32), axis=1), axis=0)
-        amax = tl.max(tl.max(tl.where(nonfinite, 0.0, mag), axis=1), axis=0)
+        amax, bad = finite_tile_amax(x)
         multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
         tl.store(s_ptr + b * stride_sb + pid_r * stride_sr + pid_c, stored)
         tl.store(s_t_ptr + b * stride_stb + pid_c * stride_str + pid_r, stored)
@@ -373,12 +394,10 @@ def _quantize_with_trans_tiles_kernel(
         multiplier, stored = _group_scale(amax, bad, FP8_MAX, False, 0)
         if pid_r == 0 and pid_c == 0:
             tl.store(s_ptr + b, stored)
-    q = _saturate(x * multiplier, FP8_MAX, CAST_SATURATES).to(q_ptr.dtype.element_ty)
     size = rows.to(tl.int64) * cols
-    tl.store(q_ptr + b * size + r[:, None] * cols + c[None, :], q, mask=mask)
-    # the transposed copy moves as bytes (``q_t_ptr`` is a uint8 view), as the plain transpose kernel does
-    bits = tl.trans(q.to(tl.uint8, bitcast=True))
-    tl.store(q_t_ptr + b * size + c[:, None] * rows + r[None, :], bits, mask=tl.trans(mask))
+    store_tile_with_trans(
+        x, multiplier, q_ptr + b * size, q_t_ptr + b * size, r, c, rows, cols, mask, FP8_MAX, CAST_SATURATES
+    )
 
 
 def quantize_fp8_with_trans_tiles_triton(
