@@ -56,11 +56,11 @@ class Fp8PrimaryWeight:
                 f"FP8 primary weights are TENSORWISE or BLOCKWISE (2-D blocks), got {config.granularity.name}"
             )
         n, k = weights[0].shape
-        self.block = config.block_size if config.granularity is _G.BLOCKWISE else 0
-        if self.block and (n % self.block or k % self.block):
+        if not self.supports((n, k), config):
             raise ValueError(
-                f"BLOCKWISE FP8 primary weights need N and K multiples of {self.block}, got {n}, {k}"
+                f"BLOCKWISE FP8 primary weights need N and K multiples of {config.block_size}, got {n}, {k}"
             )
+        self.block = config.block_size if config.granularity is _G.BLOCKWISE else 0
         self.config, self.experts, self._owner = config, experts, None
         self._allocate(len(weights), n, k, weights[0].device)
         for slot, w in enumerate(weights):

@@ -35,7 +35,12 @@ from primus_turbo.pytorch.core.low_precision import (
 )
 from primus_turbo.pytorch.core.validation import check_dtype, check_same_device, check_tensor
 from primus_turbo.pytorch.kernels.gemm.gemm_fp8_impl import gemm_fp8_accum_impl, gemm_fp8_impl
-from primus_turbo.pytorch.ops.quantization import QuantizedTensor, quantize_fp8, quantize_fp8_with_trans
+from primus_turbo.pytorch.ops.quantization import (
+    QuantizedTensor,
+    check_quantized_tensor,
+    quantize_fp8,
+    quantize_fp8_with_trans,
+)
 
 __all__ = ["gemm_fp8", "quantize_fp8_weight"]
 
@@ -206,13 +211,7 @@ class _GemmFp8Function(torch.autograd.Function):
 
 def _check_operand(name: str, x) -> None:
     if isinstance(x, QuantizedTensor):
-        check_tensor(f"{name}.data", x.data, dim=2)
-        if x.hp is not None and x.hp.shape != x.data.shape:
-            raise ValueError(f"{name}.hp has shape {tuple(x.hp.shape)}, {name}.data {tuple(x.data.shape)}")
-        if x.data_t is not None and x.data_t.shape != x.data.shape[::-1]:
-            raise ValueError(
-                f"{name}.data_t has shape {tuple(x.data_t.shape)}, {name}.data {tuple(x.data.shape)}"
-            )
+        check_quantized_tensor(name, x)
         return
     check_tensor(name, x, dim=2)
     check_dtype(f"{name}.dtype", x.dtype, _DTYPES)

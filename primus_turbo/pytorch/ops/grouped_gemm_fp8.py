@@ -48,6 +48,7 @@ from primus_turbo.pytorch.kernels.grouped_gemm.grouped_gemm_fp8_impl import (
 from primus_turbo.pytorch.ops.grouped_gemm import check_grouped_args, grouped_wgrad
 from primus_turbo.pytorch.ops.quantization import (
     QuantizedTensor,
+    check_quantized_tensor,
     grad_anchor,
     quantize_fp8,
     quantize_fp8_with_trans,
@@ -254,7 +255,7 @@ def _check_b_quantized(b_quantized: QuantizedExperts, b: torch.Tensor, trans_b: 
 def _quantized_tokens(a: QuantizedTensor, config: Float8QuantConfig, fp8_wgrad: bool) -> torch.Tensor:
     """The differentiable stand-in of a pre-quantized ``a`` (its ``hp`` or fused producer's anchor; else a
     constant of its shape), after checking that the GEMM can read it as it would quantize ``a`` itself."""
-    check_tensor("a.data", a.data, dim=2)
+    check_quantized_tensor("a", a)
     if a.granularity is not _G.TENSORWISE or config.granularity is not _G.TENSORWISE:
         raise ValueError(
             f"a QuantizedTensor a is read under TENSORWISE scaling only (a is {a.granularity.name}, "
@@ -264,8 +265,6 @@ def _quantized_tokens(a: QuantizedTensor, config: Float8QuantConfig, fp8_wgrad: 
     expected = fp8_dtype_for(config.format, is_forward=True)
     if a.data.dtype != expected:
         raise TypeError(f"a.data must be {expected} for config {config.format.name}, got {a.data.dtype}")
-    if a.data_t is not None and a.data_t.shape != a.data.shape[::-1]:
-        raise ValueError(f"a.data_t has shape {tuple(a.data_t.shape)}, a.data {tuple(a.data.shape)}")
     if a.hp is not None:
         return a.hp
     if not fp8_wgrad:

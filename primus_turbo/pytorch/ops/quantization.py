@@ -45,6 +45,7 @@ from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
 __all__ = [
     "FUSED_FP8_GRANULARITIES",
     "QuantizedTensor",
+    "check_quantized_tensor",
     "dequantize_fp4",
     "dequantize_fp8",
     "fused_fp8_output",
@@ -315,6 +316,17 @@ class QuantizedTensor:
             block_size=self.block_size,
             axis=self.axis,
             scaling_recipe=self.scaling_recipe,
+        )
+
+
+def check_quantized_tensor(name: str, x: QuantizedTensor) -> None:
+    """A 2-D ``QuantizedTensor`` operand whose ``hp`` and ``data_t`` fit its ``data``."""
+    check_tensor(f"{name}.data", x.data, dim=2)
+    if x.hp is not None and x.hp.shape != x.data.shape:
+        raise ValueError(f"{name}.hp has shape {tuple(x.hp.shape)}, {name}.data {tuple(x.data.shape)}")
+    if x.data_t is not None and x.data_t.shape != x.data.shape[::-1]:
+        raise ValueError(
+            f"{name}.data_t has shape {tuple(x.data_t.shape)}, {name}.data {tuple(x.data.shape)}"
         )
 
 

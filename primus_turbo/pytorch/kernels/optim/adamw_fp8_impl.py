@@ -15,13 +15,15 @@ from primus_turbo.pytorch.core.custom_op import custom_op
 from primus_turbo.pytorch.core.low_precision import ScalingGranularity
 from primus_turbo.pytorch.kernels.quantization.quantization_impl import (
     fp8_triton_usable,
+    quantize_fp8_reference,
     quantize_fp8_with_trans_reference,
-    tensorwise_multipliers,
 )
 from primus_turbo.triton.optim import adamw_fp8_step_triton
 
 __all__ = ["adamw_fp8_step_impl", "adamw_fp8_step_reference"]
 
+_BLOCKWISE = ScalingGranularity.BLOCKWISE.value
+_ROWWISE = ScalingGranularity.ROWWISE.value
 _MUTATED = ("param", "exp_avg", "exp_avg_sq", "master", "q", "q_t", "scale", "scale_t")
 
 
@@ -54,19 +56,17 @@ def adamw_fp8_step_reference(
         master.copy_(p)
     param.copy_(p)
     if block:
-        values = quantize_fp8_with_trans_reference(
-            param, q.dtype, ScalingGranularity.BLOCKWISE.value, block, True
-        )
+        values = quantize_fp8_with_trans_reference(param, q.dtype, _BLOCKWISE, block, True)
         for out, value in zip((q, scale, q_t, scale_t), values, strict=True):
             out.copy_(value)
         return
-    x = param.float()
-    amax = x.reshape(x.shape[0], -1).abs().amax(dim=1)
-    multiplier, scale_inv = tensorwise_multipliers(amax, q.dtype)
-    fp8_max = torch.finfo(q.dtype).max
-    q.copy_((x * multiplier[:, None, None]).clamp(-fp8_max, fp8_max).to(q.dtype))
+    # one scale per slice: the row quantization of the [B, R * C] view, as the experts' tensorwise copies
+    flat, scale_inv = quantize_fp8_reference(
+        param.reshape(param.shape[0], -1), q.dtype, _ROWWISE, 0, 1, False
+    )
+    q.copy_(flat.view(q.shape))
     q_t.copy_(q.transpose(1, 2))
-    scale.copy_(scale_inv)
+    scale.copy_(scale_inv.view(scale.shape))
 
 
 @custom_op("primus_turbo::adamw_fp8_step", mutates_args=_MUTATED)
