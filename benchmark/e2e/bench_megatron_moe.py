@@ -108,9 +108,10 @@ def _run(variant: str, extra: list[str], args: argparse.Namespace, folder: Path)
         rate = statistics.median(float(r["tokens_per_s"]) for r in timed)
         host = statistics.median(float(r["host_ms"]) for r in timed)
         opt = statistics.median(float(r["opt_ms"]) for r in timed)
-        tokens = [float(r["tokens_per_s"]) * float(r["fwd_bwd_ms"]) for r in timed]  # per step
+        # each step's tokens over its forward+backward and optimizer time together
         step_rate = statistics.median(
-            n / (float(r["fwd_bwd_ms"]) + float(r["opt_ms"])) for n, r in zip(tokens, timed, strict=True)
+            float(r["tokens_per_s"]) * float(r["fwd_bwd_ms"]) / (float(r["fwd_bwd_ms"]) + float(r["opt_ms"]))
+            for r in timed
         )
         tail = [float(r["loss"]) for r in logs[-10:]]  # one batch's loss is noisy: the last 10 steps' mean
         result[run] = {

@@ -28,6 +28,7 @@ from primus_turbo.pytorch.core.low_precision import (
     ScaleDtype,
     ScalingGranularity,
 )
+from primus_turbo.pytorch.ops.fp8_primary import Fp8PrimaryWeight
 
 __all__ = [
     "BACKEND_FIELDS",
@@ -296,8 +297,11 @@ def resolve(turbo: PrimusTurboConfig, config: Any) -> ResolvedTurbo:
         raise ValueError("the Turbo dispatcher does not pad expert input to capacity")
     fp8 = fp8_quant_config(config) if (gemm or grouped) else None
     fp8_param = _get(config, "fp8_param", False) or _get(config, "fp8_param_gather", False)  # config / args
-    primary_scalings = (ScalingGranularity.TENSORWISE, ScalingGranularity.BLOCKWISE)
-    if fp8_param and (gemm or grouped) and (fp8 is None or fp8.granularity not in primary_scalings):
+    if (
+        fp8_param
+        and (gemm or grouped)
+        and (fp8 is None or fp8.granularity not in Fp8PrimaryWeight.GRANULARITIES)
+    ):
         raise ValueError(
             "fp8_param (--fp8-param-gather) keeps FP8 primary copies of the Turbo linears' weights: it "
             "needs --fp8 with --fp8-recipe tensorwise or blockwise"

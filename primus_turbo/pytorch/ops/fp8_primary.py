@@ -42,6 +42,8 @@ class Fp8PrimaryWeight:
     ``turbo_fp8_primary = (this, slot)``. ``owner`` is set by an optimizer that writes the copies in its
     step (``FusedAdamW``): a CUDA graph may then read them, since every step rewrites them in place."""
 
+    GRANULARITIES = (_G.TENSORWISE, _G.BLOCKWISE)  # the scalings whose copies serve both layouts
+
     def __init__(self, weights: Sequence[torch.Tensor], config: Float8QuantConfig, experts: bool) -> None:
         weights = list(weights)
         if not weights or (not experts and len(weights) != 1):
@@ -51,7 +53,7 @@ class Fp8PrimaryWeight:
             check_dtype(f"weights[{i}].dtype", w.dtype, _WEIGHT_DTYPES)
             if w.shape != weights[0].shape or w.device != weights[0].device:
                 raise ValueError("FP8 primary weights: the experts' weights must share one shape and device")
-        if config.granularity not in (_G.TENSORWISE, _G.BLOCKWISE):
+        if config.granularity not in self.GRANULARITIES:
             raise ValueError(
                 f"FP8 primary weights are TENSORWISE or BLOCKWISE (2-D blocks), got {config.granularity.name}"
             )
@@ -83,10 +85,10 @@ class Fp8PrimaryWeight:
     @staticmethod
     def supports(shape: Sequence[int], config: Float8QuantConfig) -> bool:
         """Whether [N, K] weights can have FP8 primary copies under ``config``."""
-        if config.granularity is _G.TENSORWISE:
-            return True
-        block = config.block_size
-        return config.granularity is _G.BLOCKWISE and shape[-1] % block == 0 and shape[-2] % block == 0
+        if config.granularity not in Fp8PrimaryWeight.GRANULARITIES:
+            return False
+        block = config.block_size or 1
+        return shape[-1] % block == 0 and shape[-2] % block == 0
 
     def _allocate(self, groups: int, n: int, k: int, device: torch.device) -> None:
         dtype = fp8_dtype_for(self.config.format, is_forward=True)
